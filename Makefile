@@ -1,0 +1,42 @@
+# decodebench: one venv, set up on first use; see README.md.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# GPU extra when an NVIDIA driver answers, CPU extra otherwise.
+EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+
+.PHONY: setup setup-dev run test lint bench clean
+
+setup: $(VENV)/.installed-$(EXTRA)
+
+$(VENV)/.installed-$(EXTRA): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[$(EXTRA)]'
+	@# vLLM CPU pulls these in; next to the CPU torch they break transformers.
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+setup-dev: setup $(VENV)/.installed-dev
+
+$(VENV)/.installed-dev: pyproject.toml
+	$(PIP) install --quiet -e '.[$(EXTRA),dev]'
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+run: setup
+	$(PY) -m service
+
+lint: setup-dev
+	$(VENV)/bin/ruff check service connector tests benchmarks
+	$(VENV)/bin/mypy
+
+test: setup-dev lint
+	$(PY) -m pytest -x -q
+
+bench: setup
+	@for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+clean:
+	rm -rf $(VENV) var
