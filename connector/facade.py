@@ -1,0 +1,48 @@
+"""``FillConnector``: the class vLLM instantiates, once per role.
+
+A thin facade in the way of vLLM's own connectors: in the scheduler process it
+builds a :class:`FillConnectorScheduler`, in each worker process a
+:class:`FillConnectorWorker`; everything else is inherited from vLLM's
+``DecodeBenchConnector``, which routes each hook to the side that owns it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+    DecodeBenchConnector,
+)
+
+from connector.metadata import FillConnectorMetadata
+from connector.scheduler import FillConnectorScheduler
+from connector.worker import FillConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["FillConnector", "FillConnectorMetadata"]
+
+
+class FillConnector(DecodeBenchConnector):  # type: ignore[misc]
+    """KV connector that fills prompt KV blocks with per-run values instead of prefilling."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        # Skip DecodeBenchConnector.__init__: it would build vLLM's sides, not ours.
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        self.connector_scheduler: FillConnectorScheduler | None = None
+        self.connector_worker: FillConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = FillConnectorScheduler(vllm_config, kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = FillConnectorWorker(vllm_config, kv_cache_config)
+
+    def shutdown(self) -> None:
+        """Stop background pull threads."""
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+        super().shutdown()

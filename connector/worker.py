@@ -1,0 +1,169 @@
+"""Worker side: writes the fill values into the selected KV cache blocks, in place.
+
+vLLM's own fill builds a tensor of values the size of the selected blocks and
+scatters it (allocate, write, read, write again). Here each run of consecutive
+block ids is one strided slice of the cache, filled in place: a constant fill is
+a memset-like ``fill_``, a random fill is ``normal_`` straight into the slice.
+Scattered ids fall back to one ``index_fill_``/``index_copy_`` per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+    DecodeBenchConnectorWorker,
+)
+
+from connector.metadata import FillConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+# Above this many separate runs of block ids, one indexed kernel beats many slices.
+MAX_SLICES = 16
+# Random fills through a temporary (fp8 caches) are sampled in chunks of this many elements.
+SAMPLE_CHUNK = 1 << 24
+NATIVE_NORMAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of ``block_ids`` as half-open ``(start, stop)`` ranges, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs
+
+
+def clamp_to(dtype: torch.dtype, value: float) -> float:
+    """``value`` clamped to the finite range of a floating ``dtype``."""
+    info = torch.finfo(dtype)
+    return min(max(value, info.min), info.max)
+
+
+def _raw_constant(cache: torch.Tensor, fill_dtype: torch.dtype, mean: float) -> torch.Tensor:
+    """The constant as a 0-d tensor of the cache's own dtype (fp8 values as their bytes)."""
+    if not fill_dtype.is_floating_point:
+        return torch.zeros((), dtype=cache.dtype)
+    value = torch.tensor(clamp_to(fill_dtype, mean), dtype=fill_dtype)
+    return value.view(cache.dtype) if fill_dtype != cache.dtype else value
+
+
+def _fill_random(region: torch.Tensor, fill_dtype: torch.dtype, mean: float, std: float) -> None:
+    """Normal values into ``region`` (a view of the cache) as ``fill_dtype``, clamped to its range."""
+    info = torch.finfo(fill_dtype)
+    needs_clamp = abs(mean) + 12 * std > info.max
+    target = region.view(fill_dtype) if fill_dtype != region.dtype else region
+    if fill_dtype in NATIVE_NORMAL:
+        target.normal_(mean, std)
+        if needs_clamp:
+            target.clamp_(info.min, info.max)
+        return
+    # fp8 and other types without an in-place sampler: sample in float32, convert.
+    flat_rows = max(1, SAMPLE_CHUNK // max(1, target[0].numel()))
+    for chunk in target.split(flat_rows):
+        values = torch.empty(chunk.shape, dtype=torch.float32, device=chunk.device)
+        values.normal_(mean, std).clamp_(info.min, info.max)
+        chunk.copy_(values)
+
+
+def fill_block_rows(
+    cache: torch.Tensor,
+    block_ids: list[int],
+    mean: float,
+    std: float,
+    fill_dtype: torch.dtype,
+) -> int:
+    """Fill rows ``block_ids`` of a block-indexed cache tensor; return bytes written."""
+    ids = [b for b in block_ids if 0 <= b < cache.shape[0]]
+    if not ids:
+        return 0
+    runs = block_runs(ids)
+    random = std > 0 and fill_dtype.is_floating_point
+    if len(runs) <= MAX_SLICES:
+        if random:
+            for start, stop in runs:
+                _fill_random(cache[start:stop], fill_dtype, mean, std)
+        else:
+            constant = _raw_constant(cache, fill_dtype, mean)
+            for start, stop in runs:
+                cache[start:stop].fill_(constant)
+    else:
+        index = torch.tensor(ids, dtype=torch.long, device=cache.device)
+        if random:
+            values = torch.empty((len(ids), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            _fill_random(values, fill_dtype, mean, std)
+            cache.index_copy_(0, index, values)
+        else:
+            cache.index_fill_(0, index, _raw_constant(cache, fill_dtype, mean))
+    return len(ids) * cache[0].numel() * cache.element_size()
+
+
+def fill_whole(tensor: torch.Tensor, mean: float, std: float) -> int:
+    """Fill a state tensor (not block-indexed) entirely; return bytes written."""
+    if std > 0 and tensor.dtype.is_floating_point:
+        _fill_random(tensor, tensor.dtype, mean, std)
+    else:
+        tensor.fill_(_raw_constant(tensor, tensor.dtype, mean))
+    return tensor.numel() * tensor.element_size()
+
+
+class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
+    """Fills the blocks the scheduler side chose, with each request's own values."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, kv_cache_config)
+        self.requests_filled = 0
+        self.blocks_filled = 0
+        self.bytes_filled = 0
+        self.fill_seconds = 0.0
+
+    def start_fill_kv(self, metadata: FillConnectorMetadata) -> None:  # type: ignore[override]
+        """Fill every request's selected blocks, per KV cache group."""
+        if not metadata.reqs_to_fill:
+            return
+        assert self.kv_caches is not None, "KV caches must be registered before filling"
+        started = time.perf_counter()
+        for req_id, (block_ids_per_group, _num_tokens) in metadata.reqs_to_fill.items():
+            mean, std = metadata.fill_values.get(req_id, (self.fill_mean, self.fill_std))
+            for group_idx, block_ids in enumerate(block_ids_per_group):
+                if block_ids:
+                    self._fill_group(group_idx, block_ids, mean, std)
+                    self.blocks_filled += len(block_ids)
+            self.requests_filled += 1
+        self.fill_seconds += time.perf_counter() - started
+
+    def _fill_group(self, group_idx: int, block_ids: list[int], mean: float, std: float) -> None:
+        assert self.kv_caches is not None
+        if group_idx in self._zero_fill_group_ids:
+            # Circular buffers may pack non-float metadata: only zeros are safe.
+            mean, std = 0.0, 0.0
+        for layer_name in self.group_to_layers.get(group_idx, []):
+            cache: Any = self.kv_caches.get(layer_name)
+            if isinstance(cache, torch.Tensor):
+                fill_dtype = self._fp8_dtypes.get(layer_name, cache.dtype)
+                self.bytes_filled += fill_block_rows(cache, block_ids, mean, std, fill_dtype)
+            elif isinstance(cache, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in cache):
+                for state in cache:
+                    self.bytes_filled += fill_whole(state, mean, std)
+            else:
+                log.warning("FillConnector: layer %s has no fillable KV cache (%s)",
+                            layer_name, type(cache).__name__)
+
+    def stats(self) -> dict[str, float]:
+        """What this worker has filled so far."""
+        return {
+            "requests_filled": self.requests_filled,
+            "blocks_filled": self.blocks_filled,
+            "bytes_filled": self.bytes_filled,
+            "fill_seconds": self.fill_seconds,
+        }

@@ -1,0 +1,1 @@
+"""decodebench service: schedules long-context decode benchmarks against vLLM."""

@@ -1,0 +1,29 @@
+"""``python -m service``: run the service with settings from the environment."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from service.app import create_app
+from service.settings import Settings
+
+
+def main() -> None:
+    """Start the service on the configured host and port."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    token_path = settings.data_dir / "api-token"
+    settings.resolve_api_token()
+    logging.getLogger("service").info(
+        "decodebench on http://%s:%s, data in %s, API token in %s",
+        settings.host, settings.port, settings.data_dir.resolve(),
+        "DECODEBENCH_API_TOKEN" if settings.api_token else token_path.resolve(),
+    )
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""REST API under /api, plus /healthz and /metrics."""
+
+from __future__ import annotations
+
+import csv
+import hmac
+import io
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from sqlalchemy import Engine, func, text
+from sqlmodel import Session, col, select
+
+from service import store
+from service.errors import Conflict, Forbidden, NotFound, Unauthorized
+from service.launcher import Launcher, hash_token
+from service.metrics import Sample as SampleData
+from service.metrics import export_vllm
+from service.models import (
+    FINISHED,
+    FillAnswer,
+    Run,
+    RunList,
+    RunPublic,
+    RunSpec,
+    RunStatus,
+    SamplePublic,
+    Worker,
+    WorkerPublic,
+)
+from service.scheduler import Scheduler
+
+router = APIRouter()
+
+
+def get_engine(request: Request) -> Engine:
+    """The app's database engine."""
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def get_scheduler(request: Request) -> Scheduler:
+    """The app's scheduler."""
+    scheduler: Scheduler = request.app.state.scheduler
+    return scheduler
+
+
+DB = Annotated[Engine, Depends(get_engine)]
+Sched = Annotated[Scheduler, Depends(get_scheduler)]
+
+
+@router.post("/api/runs", status_code=201, response_model=RunPublic)
+def submit_run(
+    spec: RunSpec,
+    engine: DB,
+    scheduler: Sched,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> Any:
+    """Queue a benchmark run."""
+    run, created = store.create_run(engine, spec, idempotency_key)
+    if created:
+        scheduler.notify()
+        return RunPublic.of(run)
+    return JSONResponse(RunPublic.of(run).model_dump(mode="json"), status_code=200)
+
+
+@router.get("/api/runs", response_model=RunList)
+def list_runs(
+    engine: DB,
+    status: RunStatus | None = None,
+    model: Annotated[str | None, Query(max_length=512)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> RunList:
+    """List runs, newest first."""
+    runs, total = store.list_runs(engine, status.value if status else None, model, limit, offset)
+    return RunList(runs=[RunPublic.of(r) for r in runs], total=total, limit=limit, offset=offset)
+
+
+@router.get("/api/runs/{run_id}", response_model=RunPublic)
+def get_run(run_id: str, engine: DB) -> RunPublic:
+    """One run: spec, status, progress, summary, error."""
+    return RunPublic.of(store.get_run(engine, run_id))
+
+
+@router.post("/api/runs/{run_id}/cancel", response_model=RunPublic)
+def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
+    """Cancel a queued or running run; 409 if it already finished."""
+    run = store.get_run(engine, run_id)
+    if not store.transition(engine, run_id, RunStatus.cancelled, error="cancelled by the user"):
+        run = store.get_run(engine, run_id)
+        if run.status in FINISHED:
+            raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
+        raise Conflict(f"run {run_id} changed state while cancelling; try again")
+    scheduler.cancel(run_id)
+    return RunPublic.of(store.get_run(engine, run.id))
+
+
+def _as_data(rows: list[Any]) -> list[SampleData]:
+    return [
+        SampleData(
+            index=r.index, prompt_len=r.prompt_len, output_tokens=r.output_tokens, ttft=r.ttft,
+            itl=list(r.itl), latency=r.latency, start_time=r.start_time, success=r.success,
+            error=r.error, due_time=r.due_time, sent_time=r.sent_time,
+            generated_text=r.generated_text,
+        )
+        for r in rows
+    ]
+
+
+@router.get("/api/runs/{run_id}/requests", response_model=list[SamplePublic])
+def get_requests(run_id: str, engine: DB) -> list[SamplePublic]:
+    """Raw per-request samples of a run (seconds, client clock)."""
+    store.get_run(engine, run_id)
+    return [SamplePublic.model_validate(r, from_attributes=True) for r in store.get_samples(engine, run_id)]
+
+
+CSV_FIELDS = [
+    "index", "prompt_len", "output_tokens", "success", "ttft", "tpot", "latency",
+    "start_time", "due_time", "sent_time", "itl_count", "itl", "error",
+]
+
+
+@router.get("/api/runs/{run_id}/export", response_model=None)
+def export_run(
+    run_id: str, engine: DB, format: Literal["vllm", "csv"] = "vllm"
+) -> JSONResponse | Response:
+    """The run as vLLM-bench-compatible JSON, or its samples as CSV."""
+    run = store.get_run(engine, run_id)
+    samples = _as_data(store.get_samples(engine, run_id))
+    name = f"decodebench-{run.id}"
+    if format == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for s in samples:
+            tpot = (s.latency - s.ttft) / (s.output_tokens - 1) if s.success and s.output_tokens > 1 else ""
+            writer.writerow({
+                "index": s.index, "prompt_len": s.prompt_len, "output_tokens": s.output_tokens,
+                "success": s.success, "ttft": s.ttft, "tpot": tpot, "latency": s.latency,
+                "start_time": s.start_time, "due_time": s.due_time, "sent_time": s.sent_time,
+                "itl_count": len(s.itl), "itl": " ".join(f"{x:.6f}" for x in s.itl),
+                "error": s.error,
+            })
+        return Response(
+            out.getvalue(), media_type="text/csv",
+            headers={"Content-Disposition": f'attachment; filename="{name}.csv"'},
+        )
+    if run.summary is None:
+        raise Conflict(f"run {run_id} has no summary yet (status {run.status})")
+    spec = run.spec
+    info = {
+        "model": spec["model"],
+        "num_prompts": spec["num_prompts"],
+        "request_rate": spec["request_rate"],
+        "burstiness": spec["burstiness"],
+        "max_concurrency": spec["max_concurrency"],
+        "date": (run.started_at or run.created_at).strftime("%Y%m%d-%H%M%S"),
+        "label": run.id,
+        "goodput": {k: v for k, v in spec["goodput"].items() if v is not None},
+    }
+    return JSONResponse(
+        export_vllm(run.summary, samples, info),
+        headers={"Content-Disposition": f'attachment; filename="{name}.json"'},
+    )
+
+
+@router.get("/api/workers", response_model=list[WorkerPublic])
+def list_workers(engine: DB) -> list[WorkerPublic]:
+    """vLLM servers the service started, newest first."""
+    with Session(engine) as session:
+        rows = session.exec(select(Worker).order_by(col(Worker.created_at).desc())).all()
+        return [WorkerPublic.model_validate(w, from_attributes=True) for w in rows]
+
+
+@router.get("/api/connector/fill", response_model=FillAnswer)
+def connector_fill(
+    engine: DB,
+    run_id: Annotated[str, Query(min_length=1, max_length=64)],
+    authorization: Annotated[str | None, Header()] = None,
+) -> FillAnswer:
+    """Fill parameters of one run, for the connector inside the run's worker."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("a worker bearer token is required")
+    digest = hash_token(token)
+    with Session(engine) as session:
+        worker = session.exec(select(Worker).where(Worker.token_hash == digest)).first()
+        # The lookup is by hash; compare again in constant time before trusting it.
+        if worker is None or not hmac.compare_digest(worker.token_hash, digest):
+            raise Unauthorized("unknown worker token")
+        if worker.status not in ("starting", "ready"):
+            raise Forbidden("this worker is no longer active")
+        run = session.get(Run, run_id)
+        if run is None or run.worker_id != worker.id:
+            raise NotFound(f"run {run_id!r} is not assigned to this worker")
+        spec = RunSpec.model_validate(run.spec)
+    store.record_pull(engine, run_id)
+    return FillAnswer(run_id=run_id, mode=spec.mode, mean=spec.fill.mean, std=spec.fill.std)
+
+
+@router.get("/healthz")
+def healthz(engine: DB, scheduler: Sched) -> JSONResponse:
+    """Liveness and readiness: the database answers and the scheduler loop runs."""
+    checks: dict[str, str] = {}
+    try:
+        with Session(engine) as session:
+            session.exec(text("SELECT 1"))  # type: ignore[call-overload]
+        checks["db"] = "ok"
+    except Exception as exc:
+        checks["db"] = f"error: {exc}"
+    checks["scheduler"] = "ok" if scheduler.alive() else "stopped"
+    ok = all(v == "ok" for v in checks.values())
+    return JSONResponse({"status": "ok" if ok else "unavailable", **checks}, status_code=200 if ok else 503)
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+def prometheus_metrics(engine: DB, scheduler: Sched) -> str:
+    """Prometheus metrics of the service."""
+    with Session(engine) as session:
+        by_status = dict(
+            session.exec(select(Run.status, func.count()).group_by(Run.status)).all()  # type: ignore[arg-type]
+        )
+        workers = dict(
+            session.exec(select(Worker.status, func.count()).group_by(Worker.status)).all()  # type: ignore[arg-type]
+        )
+        pulls = session.exec(select(func.coalesce(func.sum(Run.connector_pulls), 0))).one()
+    lines = [
+        "# HELP decodebench_runs Runs by status.",
+        "# TYPE decodebench_runs gauge",
+    ]
+    lines += [f'decodebench_runs{{status="{s.value}"}} {by_status.get(s.value, 0)}' for s in RunStatus]
+    lines += ["# HELP decodebench_workers Workers by status.", "# TYPE decodebench_workers gauge"]
+    lines += [f'decodebench_workers{{status="{s}"}} {n}' for s, n in sorted(workers.items())]
+    lines += [
+        "# HELP decodebench_connector_pulls_total Fill parameter pulls served to connectors.",
+        "# TYPE decodebench_connector_pulls_total counter",
+        f"decodebench_connector_pulls_total {pulls}",
+        "# HELP decodebench_scheduler_up 1 while the scheduler loop runs.",
+        "# TYPE decodebench_scheduler_up gauge",
+        f"decodebench_scheduler_up {int(scheduler.alive())}",
+    ]
+    return "\n".join(lines) + "\n"

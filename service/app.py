@@ -1,0 +1,70 @@
+"""The app factory: ``create_app(settings)`` wires the database, HTTP client, launcher
+and scheduler into a FastAPI app whose lifespan owns them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from service import api, pages
+from service.db import make_engine
+from service.errors import error_body, install_error_handlers
+from service.launcher import Launcher
+from service.scheduler import Scheduler
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the service app for ``settings`` (read from the environment when omitted)."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        engine = make_engine(settings.db_path)
+        client = httpx.AsyncClient()
+        launcher = Launcher(settings, engine, client)
+        scheduler = Scheduler(settings, engine, launcher)
+        app.state.settings = settings
+        app.state.engine = engine
+        app.state.scheduler = scheduler
+        app.state.api_token = settings.resolve_api_token()
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await scheduler.shutdown()
+            await client.aclose()
+            engine.dispose()
+
+    app = FastAPI(
+        title="decodebench",
+        version="0.1.0",
+        description="Long-context decode benchmarks for vLLM, with KV cache fill instead of prefill.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def limit_body(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return JSONResponse(
+                error_body(f"request body over {MAX_BODY_BYTES} bytes"), status_code=413
+            )
+        return await call_next(request)
+
+    app.include_router(api.router)
+    app.include_router(pages.router)
+    return app

@@ -1,0 +1,92 @@
+"""The service's error hierarchy, mapped to HTTP in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class ServiceError(Exception):
+    """Base of errors that reach a client; ``status`` is the HTTP status."""
+
+    status = 400
+
+    def __init__(self, detail: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class NotFound(ServiceError):
+    """The thing asked for does not exist."""
+
+    status = 404
+
+
+class Conflict(ServiceError):
+    """The request conflicts with the current state (e.g. cancel of a finished run)."""
+
+    status = 409
+
+
+class Invalid(ServiceError):
+    """Well-formed but unacceptable input."""
+
+    status = 422
+
+
+class Unauthorized(ServiceError):
+    """Missing or wrong credentials."""
+
+    status = 401
+
+
+class Forbidden(ServiceError):
+    """Valid credentials that may not do this."""
+
+    status = 403
+
+
+class TooLarge(ServiceError):
+    """Request body over the size limit."""
+
+    status = 413
+
+
+def error_body(detail: Any) -> dict[str, Any]:
+    """The one JSON error shape: ``{"detail": ...}``."""
+    return {"detail": detail}
+
+
+def _json_safe(errors: Any) -> Any:
+    """Pydantic error lists can carry exception objects in ``ctx``; keep them printable."""
+    safe = []
+    for err in errors:
+        err = dict(err)
+        if "ctx" in err:
+            err["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
+        err.pop("url", None)
+        safe.append(err)
+    return safe
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map service errors and validation errors to the one error shape."""
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(error_body(exc.detail), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(_json_safe(exc.errors())), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.detail), status_code=exc.status_code, headers=exc.headers
+        )

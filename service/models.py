@@ -1,0 +1,368 @@
+"""Tables and API schemas: RunSpec (what to measure), Run, Sample, Worker.
+
+The ladder is the usual one: a spec the user sends, a table row that stores it
+with its state, and a public shape the API returns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from sqlalchemy import JSON, Column
+from sqlmodel import Field as SQLField
+from sqlmodel import SQLModel
+
+from service.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
+
+MAX_INPUT_LEN = 1 << 20
+MAX_OUTPUT_LEN = 1 << 16
+MAX_PROMPTS = 100_000
+
+# org/name with the hub's character rules, or a bare name; no "..", no leading "-".
+_REPO_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95})(?:/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95}))?$")
+
+
+def utcnow() -> datetime:
+    """Now, in UTC, without tzinfo (SQLite stores it naive)."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def new_id(prefix: str) -> str:
+    """A short random id with a readable prefix."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+# --- the spec -------------------------------------------------------------------------
+
+
+class Strict(BaseModel):
+    """Unknown fields are a 422, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FillSpec(Strict):
+    """Values the connector writes into the pretended-prefilled KV cache."""
+
+    mean: float = Field(default=0.015, ge=-1e4, le=1e4, allow_inf_nan=False)
+    std: float = Field(default=0.0, ge=0.0, le=1e4, allow_inf_nan=False)
+
+
+# Allowed ``engine.extra_args`` options and the type of their value (None: a flag).
+EXTRA_ARGS: dict[str, type | tuple[str, ...] | None] = {
+    "--max-num-seqs": int,
+    "--max-num-batched-tokens": int,
+    "--block-size": int,
+    "--seed": int,
+    "--kv-cache-dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"),
+    "--enable-prefix-caching": None,
+    "--no-enable-prefix-caching": None,
+    "--enable-chunked-prefill": None,
+    "--no-enable-chunked-prefill": None,
+}
+
+
+def _check_extra_arg(arg: str) -> str:
+    name, eq, value = arg.partition("=")
+    if name not in EXTRA_ARGS:
+        allowed = ", ".join(sorted(EXTRA_ARGS))
+        raise ValueError(f"option {name!r} is not allowed in extra_args (allowed: {allowed})")
+    kind = EXTRA_ARGS[name]
+    if kind is None:
+        if eq:
+            raise ValueError(f"option {name!r} is a flag and takes no value")
+        return name
+    if not eq or not value:
+        raise ValueError(f"option {name!r} needs a value, written as {name}=VALUE")
+    if kind is int:
+        if not value.isdigit() or not 0 < int(value) <= 1 << 24:
+            raise ValueError(f"option {name!r} needs a positive integer, got {value!r}")
+        return f"{name}={int(value)}"
+    if isinstance(kind, tuple) and value not in kind:
+        raise ValueError(f"option {name!r} must be one of {', '.join(kind)}, got {value!r}")
+    return f"{name}={value}"
+
+
+class EngineSpec(Strict):
+    """How the vLLM server is configured; runs with equal engine specs share a server."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    max_model_len: int | None = Field(default=None, ge=16, le=MAX_INPUT_LEN + MAX_OUTPUT_LEN)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    extra_args: list[str] = Field(default_factory=list, max_length=16)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _allowed(cls, args: list[str]) -> list[str]:
+        return [_check_extra_arg(a) for a in args]
+
+
+class GoodputSpec(Strict):
+    """Service-level objectives; a request counts for goodput when it meets all given."""
+
+    ttft_ms: float | None = Field(default=None, gt=0, le=1e9)
+    tpot_ms: float | None = Field(default=None, gt=0, le=1e9)
+    e2el_ms: float | None = Field(default=None, gt=0, le=1e9)
+
+
+class RunSpec(Strict):
+    """What one benchmark run measures; see DESIGN.md "RunSpec"."""
+
+    model: str = Field(default=TINY_MODEL_NAME, min_length=1, max_length=512)
+    input_len: int = Field(default=1024, ge=1, le=MAX_INPUT_LEN)
+    output_len: int = Field(default=128, ge=1, le=MAX_OUTPUT_LEN)
+    range_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    num_prompts: int = Field(default=64, ge=1, le=MAX_PROMPTS)
+    max_concurrency: int | None = Field(default=8, ge=1, le=100_000)
+    request_rate: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
+    burstiness: float = Field(default=1.0, gt=0, le=1e3, allow_inf_nan=False)
+    warmup_prompts: int = Field(default=0, ge=0, le=MAX_PROMPTS)
+    mode: Literal["fill", "prefill"] = "fill"
+    fill: FillSpec = Field(default_factory=FillSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    goodput: GoodputSpec = Field(default_factory=GoodputSpec)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+
+    @field_validator("model")
+    @classmethod
+    def _model_name(cls, value: str) -> str:
+        if value == TINY_MODEL_NAME:
+            return value
+        if value.startswith("/"):
+            path = Path(value)
+            if ".." in path.parts or any(c in value for c in "\0\n\r"):
+                raise ValueError("a local model path may not contain '..' or control characters")
+            if not (path / "config.json").is_file():
+                raise ValueError(f"no model directory with a config.json at {value!r}")
+            return value
+        if "://" in value or ".." in value or not _REPO_ID.match(value):
+            raise ValueError(
+                "model must be the bundled tiny model, a Hugging Face repo id like "
+                "'org/name', or an absolute path to a local model directory"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _fits(self) -> RunSpec:
+        longest_prompt = math.floor(self.input_len * (1 + self.range_ratio))
+        longest_output = math.floor(self.output_len * (1 + self.range_ratio))
+        limit = self.engine.max_model_len
+        if limit is None and self.model == TINY_MODEL_NAME:
+            limit = MAX_MODEL_LEN
+        if limit is not None and longest_prompt + longest_output > limit:
+            raise ValueError(
+                f"input_len {self.input_len} plus output_len {self.output_len} (with range_ratio "
+                f"{self.range_ratio}) needs {longest_prompt + longest_output} tokens, more than "
+                f"the model's max length {limit}"
+            )
+        return self
+
+    def worker_key(self) -> str:
+        """Runs with equal keys can share one vLLM server."""
+        return json.dumps(
+            {"model": self.model, "engine": self.engine.model_dump()}, sort_keys=True
+        )
+
+
+# --- status machine -------------------------------------------------------------------
+
+
+class RunStatus(StrEnum):
+    """Where a run is in its life."""
+
+    queued = "queued"
+    starting = "starting"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.queued: frozenset({RunStatus.starting, RunStatus.cancelled}),
+    RunStatus.starting: frozenset({RunStatus.running, RunStatus.failed, RunStatus.cancelled}),
+    RunStatus.running: frozenset({RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled}),
+    RunStatus.succeeded: frozenset(),
+    RunStatus.failed: frozenset(),
+    RunStatus.cancelled: frozenset(),
+}
+
+FINISHED = frozenset({RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled})
+
+
+def sources_of(target: RunStatus) -> frozenset[RunStatus]:
+    """The states a run may move to ``target`` from."""
+    return frozenset(s for s, targets in TRANSITIONS.items() if target in targets)
+
+
+# --- tables ---------------------------------------------------------------------------
+
+
+class Run(SQLModel, table=True):
+    """One benchmark run and its state."""
+
+    id: str = SQLField(primary_key=True)
+    spec: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    model: str = SQLField(index=True)
+    status: str = SQLField(default=RunStatus.queued, index=True)
+    created_at: datetime = SQLField(default_factory=utcnow, index=True)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker_id: str | None = SQLField(default=None, index=True)
+    completed: int = 0
+    failed: int = 0
+    total: int = 0
+    summary: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    connector: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    connector_pulls: int = 0
+    error: str | None = None
+    idempotency_key: str | None = SQLField(default=None, unique=True)
+    request_hash: str | None = None
+
+
+class Sample(SQLModel, table=True):
+    """One request's raw measurement, as the client saw it."""
+
+    id: int | None = SQLField(default=None, primary_key=True)
+    run_id: str = SQLField(foreign_key="run.id", index=True)
+    index: int
+    prompt_len: int
+    output_tokens: int
+    ttft: float
+    itl: list[float] = SQLField(sa_column=Column(JSON, nullable=False))
+    latency: float
+    start_time: float
+    due_time: float | None = None
+    sent_time: float | None = None
+    success: bool
+    error: str = ""
+    generated_text: str = ""
+
+
+class Worker(SQLModel, table=True):
+    """A vLLM server the service started (or was told about)."""
+
+    id: str = SQLField(primary_key=True)
+    key: str = SQLField(index=True)
+    model: str
+    engine: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    url: str
+    port: int
+    pid: int | None = None
+    status: str = SQLField(default="starting", index=True)
+    token_hash: str = SQLField(index=True)
+    log_path: str
+    gpus: str = ""
+    runs_served: int = 0
+    created_at: datetime = SQLField(default_factory=utcnow)
+    ready_at: datetime | None = None
+    stopped_at: datetime | None = None
+    error: str | None = None
+
+
+# --- public shapes --------------------------------------------------------------------
+
+
+class Progress(BaseModel):
+    """How far a run got."""
+
+    completed: int
+    failed: int
+    total: int
+
+
+class RunPublic(BaseModel):
+    """A run as the API returns it."""
+
+    id: str
+    spec: dict[str, Any]
+    status: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    worker_id: str | None
+    progress: Progress
+    summary: dict[str, Any] | None
+    connector: dict[str, Any] | None
+    error: str | None
+
+    @classmethod
+    def of(cls, run: Run) -> RunPublic:
+        """Build from a table row."""
+        connector = dict(run.connector or {})
+        connector["pulls"] = run.connector_pulls
+        return cls(
+            id=run.id,
+            spec=run.spec,
+            status=run.status,
+            created_at=run.created_at,
+            started_at=run.started_at,
+            finished_at=run.finished_at,
+            worker_id=run.worker_id,
+            progress=Progress(completed=run.completed, failed=run.failed, total=run.total),
+            summary=run.summary,
+            connector=connector,
+            error=run.error,
+        )
+
+
+class RunList(BaseModel):
+    """A page of runs."""
+
+    runs: list[RunPublic]
+    total: int
+    limit: int
+    offset: int
+
+
+class SamplePublic(BaseModel):
+    """One request's raw sample (seconds, client clock)."""
+
+    index: int
+    prompt_len: int
+    output_tokens: int
+    ttft: float
+    itl: list[float]
+    latency: float
+    start_time: float
+    due_time: float | None
+    sent_time: float | None
+    success: bool
+    error: str
+    generated_text: str
+
+
+class WorkerPublic(BaseModel):
+    """A vLLM server as the API returns it."""
+
+    id: str
+    model: str
+    engine: dict[str, Any]
+    url: str
+    pid: int | None
+    status: str
+    gpus: str
+    runs_served: int
+    created_at: datetime
+    ready_at: datetime | None
+    stopped_at: datetime | None
+    error: str | None
+    log_path: str
+
+
+class FillAnswer(BaseModel):
+    """What the connector pulls for one run."""
+
+    run_id: str
+    mode: Literal["fill", "prefill"]
+    mean: float
+    std: float

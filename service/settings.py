@@ -1,0 +1,95 @@
+"""Service settings, read from the environment with the ``DECODEBENCH_`` prefix."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import sys
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the service can be told; see DESIGN.md "Settings"."""
+
+    model_config = SettingsConfigDict(env_prefix="DECODEBENCH_")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("./var")
+    api_token: str | None = None
+    # Comma-separated GPU ids; None means "all visible", empty means none.
+    gpus: str | None = None
+    vllm_command: str | None = None
+    # URL the connector inside a worker uses to reach this service.
+    control_url: str | None = None
+    worker_start_timeout_s: float = Field(default=600.0, gt=0)
+    worker_stop_grace_s: float = Field(default=10.0, ge=0)
+    # A stream that sends nothing for this long is failed (the server hung).
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    scheduler_poll_s: float = Field(default=0.5, gt=0)
+
+    @property
+    def db_path(self) -> Path:
+        """The SQLite file."""
+        return self.data_dir / "decodebench.sqlite3"
+
+    @property
+    def logs_dir(self) -> Path:
+        """Where worker logs go."""
+        return self.data_dir / "logs"
+
+    @property
+    def models_dir(self) -> Path:
+        """Where the bundled tiny model is written."""
+        return self.data_dir / "models"
+
+    def worker_command(self) -> list[str]:
+        """argv prefix that starts a vLLM OpenAI-compatible server."""
+        if self.vllm_command:
+            return shlex.split(self.vllm_command)
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+    def control_base_url(self) -> str:
+        """Base URL of this service as seen from a local worker."""
+        if self.control_url:
+            return self.control_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def gpu_ids(self) -> list[str]:
+        """GPU ids workers may be placed on; empty on a CPU machine."""
+        if self.gpus is not None:
+            return [g.strip() for g in self.gpus.split(",") if g.strip()]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            return [g.strip() for g in visible.split(",") if g.strip()]
+        return _detect_gpus()
+
+    def resolve_api_token(self) -> str:
+        """The API token: the setting, else the one stored in the data dir (made on first start)."""
+        if self.api_token:
+            return self.api_token
+        path = self.data_dir / "api-token"
+        if path.exists():
+            return path.read_text().strip()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
+
+
+def _detect_gpus() -> list[str]:
+    """GPU indices from the NVIDIA driver's device nodes, without importing torch."""
+    dev = Path("/dev")
+    ids = sorted(
+        int(p.name[len("nvidia"):])
+        for p in dev.glob("nvidia[0-9]*")
+        if p.name[len("nvidia"):].isdigit()
+    )
+    return [str(i) for i in ids]

@@ -1,0 +1,195 @@
+"""Reads and guarded writes of runs and samples.
+
+Every status change is one ``UPDATE ... WHERE id = ? AND status IN (...)``: it
+either moves the run along an edge of the status machine or changes nothing,
+so two writers (the API cancelling, the scheduler finishing) can never both win.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Engine, func, update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from service.db import write_session
+from service.errors import Conflict, Invalid, NotFound
+from service.metrics import Sample as SampleData
+from service.models import (
+    FINISHED,
+    Run,
+    RunSpec,
+    RunStatus,
+    Sample,
+    new_id,
+    sources_of,
+    utcnow,
+)
+
+
+def transition(engine: Engine, run_id: str, target: RunStatus, **fields: Any) -> bool:
+    """Move a run to ``target`` if the status machine allows it from its current state."""
+    values: dict[str, Any] = {"status": target.value, **fields}
+    if target in FINISHED and "finished_at" not in values:
+        values["finished_at"] = utcnow()
+    sources = [s.value for s in sources_of(target)]
+    with Session(engine) as session:
+        result = session.exec(  # type: ignore[call-overload]
+            update(Run).where(col(Run.id) == run_id, col(Run.status).in_(sources)).values(**values)
+        )
+        session.commit()
+        return bool(result.rowcount == 1)
+
+
+def update_fields(engine: Engine, run_id: str, **fields: Any) -> None:
+    """Set fields of a run that are not its status (progress, worker, summary)."""
+    with Session(engine) as session:
+        session.exec(update(Run).where(col(Run.id) == run_id).values(**fields))  # type: ignore[call-overload]
+        session.commit()
+
+
+def _request_hash(spec: RunSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()
+
+
+def create_run(engine: Engine, spec: RunSpec, idempotency_key: str | None = None) -> tuple[Run, bool]:
+    """Insert a queued run; with a key, return the existing run for a repeated request.
+
+    Returns the run and whether it was created now.
+    """
+    digest = _request_hash(spec)
+    for _ in range(2):
+        try:
+            with write_session(engine) as session:
+                if idempotency_key is not None:
+                    existing = session.exec(
+                        select(Run).where(Run.idempotency_key == idempotency_key)
+                    ).first()
+                    if existing is not None:
+                        if existing.request_hash != digest:
+                            raise Invalid(
+                                "Idempotency-Key was already used with a different request body"
+                            )
+                        return existing, False
+                run = Run(
+                    id=new_id("r"),
+                    spec=spec.model_dump(),
+                    model=spec.model,
+                    total=spec.num_prompts,
+                    idempotency_key=idempotency_key,
+                    request_hash=digest,
+                )
+                session.add(run)
+                session.flush()
+                session.refresh(run)
+                session.expunge(run)
+                return run, True
+        except IntegrityError:
+            continue  # another request with this key won the race; read theirs
+    raise Conflict("could not create the run; retry")
+
+
+def get_run(engine: Engine, run_id: str) -> Run:
+    """One run, or NotFound."""
+    with Session(engine) as session:
+        run = session.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"run {run_id!r} not found")
+        return run
+
+
+def list_runs(
+    engine: Engine, status: str | None, model: str | None, limit: int, offset: int
+) -> tuple[list[Run], int]:
+    """A page of runs, newest first, and the total matching."""
+    with Session(engine) as session:
+        query = select(Run)
+        count = select(func.count()).select_from(Run)
+        if status is not None:
+            query = query.where(Run.status == status)
+            count = count.where(Run.status == status)
+        if model is not None:
+            query = query.where(Run.model == model)
+            count = count.where(Run.model == model)
+        query = query.order_by(col(Run.created_at).desc(), col(Run.id).desc())
+        runs = list(session.exec(query.offset(offset).limit(limit)).all())
+        total = session.exec(count).one()
+        return runs, int(total)
+
+
+def save_samples(engine: Engine, run_id: str, samples: Sequence[SampleData]) -> None:
+    """Store raw samples of a run."""
+    with Session(engine) as session:
+        session.add_all(
+            Sample(
+                run_id=run_id,
+                index=s.index,
+                prompt_len=s.prompt_len,
+                output_tokens=s.output_tokens,
+                ttft=s.ttft,
+                itl=list(s.itl),
+                latency=s.latency,
+                start_time=s.start_time,
+                due_time=s.due_time,
+                sent_time=s.sent_time,
+                success=s.success,
+                error=s.error,
+                generated_text=s.generated_text,
+            )
+            for s in samples
+        )
+        session.commit()
+
+
+def get_samples(engine: Engine, run_id: str) -> list[Sample]:
+    """The stored samples of a run, by request index."""
+    with Session(engine) as session:
+        return list(
+            session.exec(select(Sample).where(Sample.run_id == run_id).order_by(col(Sample.index))).all()
+        )
+
+
+def fail_interrupted(engine: Engine) -> int:
+    """After a restart: runs left starting/running fail (never silently re-run)."""
+    failed = 0
+    for status in (RunStatus.starting, RunStatus.running):
+        with Session(engine) as session:
+            result = session.exec(  # type: ignore[call-overload]
+                update(Run)
+                .where(col(Run.status) == status.value)
+                .values(
+                    status=RunStatus.failed.value,
+                    finished_at=utcnow(),
+                    error=f"the service stopped while this run was {status.value}; "
+                    "it was not re-run",
+                )
+            )
+            session.commit()
+            failed += int(result.rowcount)
+    return failed
+
+
+def next_queued(engine: Engine) -> Run | None:
+    """The oldest queued run."""
+    with Session(engine) as session:
+        return session.exec(
+            select(Run)
+            .where(Run.status == RunStatus.queued.value)
+            .order_by(col(Run.created_at), col(Run.id))
+            .limit(1)
+        ).first()
+
+
+def record_pull(engine: Engine, run_id: str) -> None:
+    """Count one connector pull of a run's fill parameters."""
+    with Session(engine) as session:
+        session.exec(  # type: ignore[call-overload]
+            update(Run)
+            .where(col(Run.id) == run_id)
+            .values(connector_pulls=col(Run.connector_pulls) + 1)
+        )
+        session.commit()

@@ -1,0 +1,93 @@
+"""A stand-in for ``python -m vllm.entrypoints.openai.api_server`` in tests.
+
+Same command line (unknown flags are accepted and ignored), answers ``/health``,
+``/v1/models`` and streaming ``/v1/completions`` with one token every
+``STUB_TOKEN_INTERVAL_S`` seconds. It exists where process control is the point;
+the real vLLM server is used where the connector and the metrics are.
+
+Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers),
+``STUB_EXIT_AT_START`` (exit code, before serving).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+def build_app(served_name: str, interval: float, startup_delay: float) -> FastAPI:
+    """The stub's app."""
+    app = FastAPI()
+    started = time.monotonic()
+    state = {"requests": 0}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if time.monotonic() - started < startup_delay:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served_name, "object": "model"}]}
+
+    @app.get("/stub/requests")
+    async def seen() -> dict[str, int]:
+        return state
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        state["requests"] += 1
+        prompt = body.get("prompt")
+        n_out = int(body.get("max_tokens") or 16)
+        n_in = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+
+        async def stream() -> AsyncIterator[bytes]:
+            for i in range(n_out):
+                await asyncio.sleep(interval)
+                chunk = {"id": "cmpl-stub", "object": "text_completion",
+                         "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            usage = {"prompt_tokens": n_in, "completion_tokens": n_out,
+                     "total_tokens": n_in + n_out}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+def main() -> None:
+    """Parse vLLM's flags that matter here and serve."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="stub")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args, _unknown = parser.parse_known_args()
+    exit_code = os.environ.get("STUB_EXIT_AT_START")
+    if exit_code:
+        print("stub: exiting at start as told", flush=True)
+        sys.exit(int(exit_code))
+    app = build_app(
+        args.served_model_name or args.model,
+        float(os.environ.get("STUB_TOKEN_INTERVAL_S", "0.002")),
+        float(os.environ.get("STUB_STARTUP_DELAY_S", "0")),
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

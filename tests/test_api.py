@@ -1,0 +1,128 @@
+"""REST API behaviour: validation (4xx with a message, never a 500), idempotency, errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.conftest import wait_finished
+
+
+def _detail_text(response: Any) -> str:
+    return str(response.json()["detail"])
+
+
+def test_submit_returns_201_with_the_run_queued_and_defaults_filled(client: TestClient) -> None:
+    response = client.post("/api/runs", json={"input_len": 64, "output_len": 4, "num_prompts": 2})
+    assert response.status_code == 201
+    run = response.json()
+    assert run["status"] in {"queued", "starting", "running", "succeeded"}
+    assert run["spec"]["model"] == "decodebench-tiny"
+    assert run["spec"]["fill"] == {"mean": 0.015, "std": 0.0}
+    assert run["spec"]["max_concurrency"] == 8
+    assert run["progress"]["total"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"input_len": 0}, "input_len"),
+        ({"input_len": "lots"}, "input_len"),
+        ({"num_prompts": -3}, "num_prompts"),
+        ({"unknown_field": 1}, "unknown_field"),
+        ({"mode": "magic"}, "mode"),
+        ({"fill": {"std": -1}}, "std"),
+        ({"model": "--trust-remote-code"}, "model"),
+        ({"model": "../../etc"}, "model"),
+        ({"model": "https://example.com/model"}, "model"),
+        ({"engine": {"extra_args": ["--trust-remote-code"]}}, "not allowed"),
+        ({"engine": {"extra_args": ["--max-num-seqs=abc"]}}, "positive integer"),
+        ({"input_len": 131072, "output_len": 128}, "max length"),
+        ({"request_rate": 0}, "request_rate"),
+    ],
+)
+def test_bad_spec_is_422_with_a_message(client: TestClient, body: dict[str, Any], needle: str) -> None:
+    response = client.post("/api/runs", json=body)
+    assert response.status_code == 422, response.text
+    assert needle in _detail_text(response)
+
+
+def test_body_that_is_not_json_is_422(client: TestClient) -> None:
+    response = client.post("/api/runs", content=b"{nope", headers={"Content-Type": "application/json"})
+    assert response.status_code == 422
+
+
+def test_body_over_the_limit_is_413(client: TestClient) -> None:
+    response = client.post(
+        "/api/runs", content=b" " * (2 << 20), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert "over" in _detail_text(response)
+
+
+def test_unknown_run_is_404_in_every_route(client: TestClient) -> None:
+    for path in ("/api/runs/r-nope", "/api/runs/r-nope/requests", "/api/runs/r-nope/export",
+                 "/runs/r-nope"):
+        response = client.get(path)
+        assert response.status_code == 404, path
+        assert "r-nope" in _detail_text(response)
+    assert client.post("/api/runs/r-nope/cancel").status_code == 404
+
+
+def test_list_with_unknown_status_is_422(client: TestClient) -> None:
+    assert client.get("/api/runs?status=sleeping").status_code == 422
+    assert client.get("/api/runs?limit=0").status_code == 422
+
+
+def test_same_idempotency_key_and_body_gives_the_same_run(client: TestClient) -> None:
+    body = {"input_len": 32, "output_len": 2, "num_prompts": 1}
+    first = client.post("/api/runs", json=body, headers={"Idempotency-Key": "k1"})
+    again = client.post("/api/runs", json=body, headers={"Idempotency-Key": "k1"})
+    assert first.status_code == 201
+    assert again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    assert client.get("/api/runs").json()["total"] == 1
+
+
+def test_same_idempotency_key_with_another_body_is_422(client: TestClient) -> None:
+    client.post("/api/runs", json={"num_prompts": 1, "input_len": 8}, headers={"Idempotency-Key": "k2"})
+    response = client.post(
+        "/api/runs", json={"num_prompts": 2, "input_len": 8}, headers={"Idempotency-Key": "k2"}
+    )
+    assert response.status_code == 422
+    assert "Idempotency-Key" in _detail_text(response)
+
+
+def test_cancel_finished_run_is_409(client: TestClient) -> None:
+    run = client.post("/api/runs", json={"input_len": 16, "output_len": 2, "num_prompts": 1}).json()
+    finished = wait_finished(client, run["id"])
+    assert finished["status"] == "succeeded"
+    response = client.post(f"/api/runs/{run['id']}/cancel")
+    assert response.status_code == 409
+    assert "already finished" in _detail_text(response)
+
+
+def test_connector_fill_without_token_is_401(client: TestClient) -> None:
+    run = client.post("/api/runs", json={"num_prompts": 1, "input_len": 8, "output_len": 2}).json()
+    assert client.get(f"/api/connector/fill?run_id={run['id']}").status_code == 401
+    response = client.get(
+        f"/api/connector/fill?run_id={run['id']}", headers={"Authorization": "Bearer wrong"}
+    )
+    assert response.status_code == 401
+
+
+def test_healthz_reports_db_and_scheduler(client: TestClient) -> None:
+    body = client.get("/healthz").json()
+    assert body == {"status": "ok", "db": "ok", "scheduler": "ok"}
+
+
+def test_openapi_documents_every_route(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/cancel",
+                 "/api/runs/{run_id}/requests", "/api/runs/{run_id}/export",
+                 "/api/workers", "/api/connector/fill"):
+        assert path in paths
+        for op in paths[path].values():
+            assert op.get("description") or op.get("summary")

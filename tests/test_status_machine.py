@@ -1,0 +1,86 @@
+"""The run status machine and its guarded transitions in SQLite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service import store
+from service.db import make_engine
+from service.models import FINISHED, TRANSITIONS, RunSpec, RunStatus
+
+
+@pytest.fixture
+def engine(tmp_path: Path):  # type: ignore[no-untyped-def]
+    engine = make_engine(tmp_path / "db.sqlite3")
+    yield engine
+    engine.dispose()
+
+
+def _new_run(engine) -> str:  # type: ignore[no-untyped-def]
+    run, created = store.create_run(engine, RunSpec(num_prompts=2))
+    assert created
+    return run.id
+
+
+def test_machine_has_exactly_the_designed_edges() -> None:
+    edges = {(a.value, b.value) for a, targets in TRANSITIONS.items() for b in targets}
+    assert edges == {
+        ("queued", "starting"), ("queued", "cancelled"),
+        ("starting", "running"), ("starting", "failed"), ("starting", "cancelled"),
+        ("running", "succeeded"), ("running", "failed"), ("running", "cancelled"),
+    }
+
+
+def test_new_run_is_queued(engine) -> None:  # type: ignore[no-untyped-def]
+    run_id = _new_run(engine)
+    assert store.get_run(engine, run_id).status == "queued"
+
+
+def test_happy_path_moves_through_every_state(engine) -> None:  # type: ignore[no-untyped-def]
+    run_id = _new_run(engine)
+    for status in (RunStatus.starting, RunStatus.running, RunStatus.succeeded):
+        assert store.transition(engine, run_id, status)
+        assert store.get_run(engine, run_id).status == status.value
+    assert store.get_run(engine, run_id).finished_at is not None
+
+
+@pytest.mark.parametrize("end", sorted(FINISHED))
+def test_finished_run_never_moves_again(engine, end: RunStatus) -> None:  # type: ignore[no-untyped-def]
+    run_id = _new_run(engine)
+    store.transition(engine, run_id, RunStatus.starting)
+    store.transition(engine, run_id, RunStatus.running)
+    assert store.transition(engine, run_id, end)
+    for target in RunStatus:
+        assert not store.transition(engine, run_id, target)
+    assert store.get_run(engine, run_id).status == end.value
+
+
+def test_queued_run_cannot_skip_to_running_or_succeeded(engine) -> None:  # type: ignore[no-untyped-def]
+    run_id = _new_run(engine)
+    assert not store.transition(engine, run_id, RunStatus.running)
+    assert not store.transition(engine, run_id, RunStatus.succeeded)
+    assert store.get_run(engine, run_id).status == "queued"
+
+
+def test_cancel_and_finish_race_has_one_winner(engine) -> None:  # type: ignore[no-untyped-def]
+    run_id = _new_run(engine)
+    store.transition(engine, run_id, RunStatus.starting)
+    store.transition(engine, run_id, RunStatus.running)
+    assert store.transition(engine, run_id, RunStatus.cancelled)
+    assert not store.transition(engine, run_id, RunStatus.succeeded)
+    assert store.get_run(engine, run_id).status == "cancelled"
+
+
+def test_restart_fails_interrupted_runs_and_keeps_queued(engine) -> None:  # type: ignore[no-untyped-def]
+    queued, starting, running = _new_run(engine), _new_run(engine), _new_run(engine)
+    store.transition(engine, starting, RunStatus.starting)
+    store.transition(engine, running, RunStatus.starting)
+    store.transition(engine, running, RunStatus.running)
+    assert store.fail_interrupted(engine) == 2
+    assert store.get_run(engine, queued).status == "queued"
+    for run_id, was in ((starting, "starting"), (running, "running")):
+        run = store.get_run(engine, run_id)
+        assert run.status == "failed"
+        assert run.error is not None and f"while this run was {was}" in run.error
