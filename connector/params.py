@@ -10,6 +10,7 @@ retried after ``retry_after_s``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -84,7 +85,7 @@ class ParamsClient:
             if future is None:
                 future = self._pool.submit(self._pull, run_id)
                 self._inflight[run_id] = future
-                future.add_done_callback(lambda f, r=run_id: self._landed(r, f))
+                future.add_done_callback(functools.partial(self._landed, run_id))
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:

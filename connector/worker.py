@@ -3,13 +3,15 @@
 vLLM's own fill builds a tensor of values the size of the selected blocks and
 scatters it (allocate, write, read, write again). Here each run of consecutive
 block ids is one strided slice of the cache, filled in place: a constant fill is
-a memset-like ``fill_``, a random fill is ``normal_`` straight into the slice.
+a memset-like ``fill_``, a random fill tiles a pool of normal samples into it
+(see :class:`NoisePool`).
 Scattered ids fall back to one ``index_fill_``/``index_copy_`` per layer.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Above this many separate runs of block ids, one indexed kernel beats many slices.
-MAX_SLICES = 16
+# On a GPU, above this many separate runs of block ids one indexed kernel beats many
+# slice launches; on a CPU a slice costs no launch, so slices always win.
+MAX_GPU_SLICES = 16
 # Random fills through a temporary (fp8 caches) are sampled in chunks of this many elements.
 SAMPLE_CHUNK = 1 << 24
 NATIVE_NORMAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -47,7 +50,7 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
 def clamp_to(dtype: torch.dtype, value: float) -> float:
     """``value`` clamped to the finite range of a floating ``dtype``."""
     info = torch.finfo(dtype)
-    return min(max(value, info.min), info.max)
+    return float(min(max(value, info.min), info.max))
 
 
 def _raw_constant(cache: torch.Tensor, fill_dtype: torch.dtype, mean: float) -> torch.Tensor:
@@ -58,19 +61,72 @@ def _raw_constant(cache: torch.Tensor, fill_dtype: torch.dtype, mean: float) -> 
     return value.view(cache.dtype) if fill_dtype != cache.dtype else value
 
 
+class NoisePool:
+    """Normal samples drawn once per (mean, std, dtype, device), tiled into the cache.
+
+    Sampling a normal value costs far more than writing it, so a random fill that
+    samples every element runs well below memory speed. The pool holds a prime
+    number of samples (never aligned with heads, blocks or layers) and each fill
+    starts at a random offset into it, so the cache holds normal values with the
+    asked mean and std at memory speed; the pattern repeats every
+    ``POOL_ELEMS`` elements.
+    """
+
+    def __init__(self, max_pools: int = 4) -> None:
+        self.max_pools = max_pools
+        self._pools: dict[tuple[float, float, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, mean: float, std: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The pool for these values, sampled on first use."""
+        key = (mean, std, dtype, device)
+        pool = self._pools.pop(key, None)
+        if pool is None:
+            info = torch.finfo(dtype)
+            values = torch.empty(POOL_ELEMS, dtype=torch.float32, device=device)
+            values.normal_(mean, std).clamp_(info.min, info.max)
+            pool = values.to(dtype)
+        self._pools[key] = pool  # most recently used last
+        while len(self._pools) > self.max_pools:
+            self._pools.pop(next(iter(self._pools)))
+        return pool
+
+
+NOISE = NoisePool()
+_OFFSETS = random.Random()
+# A prime just under 2**20: the tiling period of the random fill.
+POOL_ELEMS = 1_048_573
+
+
+def _tile(flat: torch.Tensor, pool: torch.Tensor) -> None:
+    """Write ``pool`` repeated into the 1-D ``flat``, from a random offset into the pool."""
+    period = pool.numel()
+    offset = _OFFSETS.randrange(period)
+    n = flat.numel()
+    head = min(n, period - offset)
+    flat[:head].copy_(pool[offset : offset + head])
+    done = head
+    whole = (n - done) // period
+    if whole:
+        end = done + whole * period
+        flat[done:end].view(whole, period).copy_(pool.unsqueeze(0).expand(whole, period))
+        done = end
+    if done < n:
+        flat[done:].copy_(pool[: n - done])
+
+
 def _fill_random(region: torch.Tensor, fill_dtype: torch.dtype, mean: float, std: float) -> None:
     """Normal values into ``region`` (a view of the cache) as ``fill_dtype``, clamped to its range."""
-    info = torch.finfo(fill_dtype)
-    needs_clamp = abs(mean) + 12 * std > info.max
     target = region.view(fill_dtype) if fill_dtype != region.dtype else region
-    if fill_dtype in NATIVE_NORMAL:
-        target.normal_(mean, std)
-        if needs_clamp:
-            target.clamp_(info.min, info.max)
+    if target.is_contiguous():
+        _tile(target.view(-1), NOISE.get(mean, std, fill_dtype, target.device))
         return
-    # fp8 and other types without an in-place sampler: sample in float32, convert.
-    flat_rows = max(1, SAMPLE_CHUNK // max(1, target[0].numel()))
-    for chunk in target.split(flat_rows):
+    # A strided slice (block dimension not outermost): sample in place.
+    info = torch.finfo(fill_dtype)
+    if fill_dtype in NATIVE_NORMAL:
+        target.normal_(mean, std).clamp_(info.min, info.max)
+        return
+    rows = max(1, SAMPLE_CHUNK // max(1, target[0].numel()))
+    for chunk in target.split(rows):
         values = torch.empty(chunk.shape, dtype=torch.float32, device=chunk.device)
         values.normal_(mean, std).clamp_(info.min, info.max)
         chunk.copy_(values)
@@ -84,12 +140,12 @@ def fill_block_rows(
     fill_dtype: torch.dtype,
 ) -> int:
     """Fill rows ``block_ids`` of a block-indexed cache tensor; return bytes written."""
-    ids = [b for b in block_ids if 0 <= b < cache.shape[0]]
+    ids = sorted({b for b in block_ids if 0 <= b < cache.shape[0]})
     if not ids:
         return 0
     runs = block_runs(ids)
     random = std > 0 and fill_dtype.is_floating_point
-    if len(runs) <= MAX_SLICES:
+    if cache.device.type == "cpu" or len(runs) <= MAX_GPU_SLICES:
         if random:
             for start, stop in runs:
                 _fill_random(cache[start:stop], fill_dtype, mean, std)
@@ -105,7 +161,7 @@ def fill_block_rows(
             cache.index_copy_(0, index, values)
         else:
             cache.index_fill_(0, index, _raw_constant(cache, fill_dtype, mean))
-    return len(ids) * cache[0].numel() * cache.element_size()
+    return int(len(ids) * cache[0].numel() * cache.element_size())
 
 
 def fill_whole(tensor: torch.Tensor, mean: float, std: float) -> int:
@@ -114,7 +170,7 @@ def fill_whole(tensor: torch.Tensor, mean: float, std: float) -> int:
         _fill_random(tensor, tensor.dtype, mean, std)
     else:
         tensor.fill_(_raw_constant(tensor, tensor.dtype, mean))
-    return tensor.numel() * tensor.element_size()
+    return int(tensor.numel() * tensor.element_size())
 
 
 class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
@@ -127,7 +183,7 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
         self.bytes_filled = 0
         self.fill_seconds = 0.0
 
-    def start_fill_kv(self, metadata: FillConnectorMetadata) -> None:  # type: ignore[override]
+    def start_fill_kv(self, metadata: FillConnectorMetadata) -> None:
         """Fill every request's selected blocks, per KV cache group."""
         if not metadata.reqs_to_fill:
             return

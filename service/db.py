@@ -52,6 +52,6 @@ def make_engine(path: Path) -> Engine:
 @contextmanager
 def write_session(engine: Engine) -> Iterator[Session]:
     """A session whose transaction starts with ``BEGIN IMMEDIATE``; commits on success."""
-    with Session(engine.execution_options(sqlite_begin="IMMEDIATE")) as session:
+    with Session(engine.execution_options(sqlite_begin="IMMEDIATE"), expire_on_commit=False) as session:
         yield session
         session.commit()

@@ -31,8 +31,8 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95})(?:/[A-Za-z0-9](?:[A
 
 
 def utcnow() -> datetime:
-    """Now, in UTC, without tzinfo (SQLite stores it naive)."""
-    return datetime.now(UTC).replace(tzinfo=None)
+    """Now, in UTC."""
+    return datetime.now(UTC)
 
 
 def new_id(prefix: str) -> str:

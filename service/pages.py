@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
-from typing_extensions import Annotated
 
 from service import store
 from service.api import DB
@@ -31,7 +30,7 @@ STATS = ["mean", "median", "std", "p50", "p90", "p95", "p99"]
 
 def _fmt(value: Any) -> str:
     if value is None:
-        return "–"
+        return "-"
     if isinstance(value, float):
         return f"{value:,.2f}"
     return str(value)

@@ -38,7 +38,7 @@ def transition(engine: Engine, run_id: str, target: RunStatus, **fields: Any) ->
         values["finished_at"] = utcnow()
     sources = [s.value for s in sources_of(target)]
     with Session(engine) as session:
-        result = session.exec(  # type: ignore[call-overload]
+        result = session.exec(
             update(Run).where(col(Run.id) == run_id, col(Run.status).in_(sources)).values(**values)
         )
         session.commit()
@@ -48,7 +48,7 @@ def transition(engine: Engine, run_id: str, target: RunStatus, **fields: Any) ->
 def update_fields(engine: Engine, run_id: str, **fields: Any) -> None:
     """Set fields of a run that are not its status (progress, worker, summary)."""
     with Session(engine) as session:
-        session.exec(update(Run).where(col(Run.id) == run_id).values(**fields))  # type: ignore[call-overload]
+        session.exec(update(Run).where(col(Run.id) == run_id).values(**fields))
         session.commit()
 
 
@@ -84,9 +84,6 @@ def create_run(engine: Engine, spec: RunSpec, idempotency_key: str | None = None
                     request_hash=digest,
                 )
                 session.add(run)
-                session.flush()
-                session.refresh(run)
-                session.expunge(run)
                 return run, True
         except IntegrityError:
             continue  # another request with this key won the race; read theirs
@@ -158,7 +155,7 @@ def fail_interrupted(engine: Engine) -> int:
     failed = 0
     for status in (RunStatus.starting, RunStatus.running):
         with Session(engine) as session:
-            result = session.exec(  # type: ignore[call-overload]
+            result = session.exec(
                 update(Run)
                 .where(col(Run.status) == status.value)
                 .values(
@@ -187,7 +184,7 @@ def next_queued(engine: Engine) -> Run | None:
 def record_pull(engine: Engine, run_id: str) -> None:
     """Count one connector pull of a run's fill parameters."""
     with Session(engine) as session:
-        session.exec(  # type: ignore[call-overload]
+        session.exec(
             update(Run)
             .where(col(Run.id) == run_id)
             .values(connector_pulls=col(Run.connector_pulls) + 1)
