@@ -162,8 +162,8 @@ class Scheduler:
             )
         except asyncio.CancelledError:
             store.save_samples(self.engine, run_id, samples)
-            ok = sum(s.success for s in samples)
-            store.update_fields(self.engine, run_id, completed=ok, failed=len(samples) - ok)
+            done = sum(s.success for s in samples)
+            store.update_fields(self.engine, run_id, completed=done, failed=len(samples) - done)
             if run_id in self._cancelled:
                 return  # cancelled by the user; the status is already ``cancelled``
             store.transition(

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -31,6 +31,12 @@ class Settings(BaseSettings):
     # A stream that sends nothing for this long is failed (the server hung).
     request_timeout_s: float = Field(default=600.0, gt=0)
     scheduler_poll_s: float = Field(default=0.5, gt=0)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        # Workers run with the data dir as their working directory: paths must not be relative.
+        return value.expanduser().resolve()
 
     @property
     def db_path(self) -> Path:
