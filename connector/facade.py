@@ -42,7 +42,9 @@ class FillConnector(DecodeBenchConnector):  # type: ignore[misc]
             self.connector_worker = FillConnectorWorker(vllm_config, kv_cache_config)
 
     def shutdown(self) -> None:
-        """Stop background pull threads."""
+        """Stop background threads and send the last counters."""
         if self.connector_scheduler is not None:
             self.connector_scheduler.shutdown()
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
         super().shutdown()

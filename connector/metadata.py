@@ -15,3 +15,5 @@ class FillConnectorMetadata(DecodeBenchConnectorMetadata):  # type: ignore[misc]
 
     # request_id -> (mean, std); a request missing here uses the worker's defaults.
     fill_values: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # request_id -> decodebench run id, for the per-run fill report.
+    run_ids: dict[str, str] = field(default_factory=dict)

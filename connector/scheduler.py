@@ -10,7 +10,7 @@ tokens; and each request's values travel to the worker side in the metadata.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
     DecodeBenchConnectorScheduler,
@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
 
 from connector.metadata import FillConnectorMetadata
 from connector.params import FillParams, ParamsClient
+from connector.report import Reporter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,15 +55,24 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
             default_std=float(config.get_from_extra_config("fill_std", 0.0)),
             timeout_s=float(config.get_from_extra_config("pull_timeout_s", 0.05)),
         )
+        self.reporter = Reporter(
+            config.get_from_extra_config("control_url", None),
+            config.get_from_extra_config("worker_token", None),
+            role="scheduler",
+            rank=0,
+        )
+        # Parameters decided for a request, from its first look until it finishes.
+        self._decided: dict[str, FillParams] = {}
         # Values of requests whose blocks were selected this step, for the metadata.
         self._pending_values: dict[str, tuple[float, float]] = {}
-        self.fallback_requests = 0
+        self._pending_runs: dict[str, str] = {}
 
     def _params_for(self, request: Request) -> FillParams:
-        params = self.params.get(run_id_of(request))
-        if params.source == "fallback":
-            self.fallback_requests += 1
-        return params
+        decided = self._decided.get(request.request_id)
+        if decided is None:
+            decided = self.params.get(run_id_of(request))
+            self._decided[request.request_id] = decided
+        return decided
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -80,34 +90,46 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
     ) -> None:
         """Select the blocks (vLLM's rules) and remember this request's values."""
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        params = self._decided.get(request.request_id)
+        run_id = run_id_of(request)
         if request.request_id in self._pending_fills:
-            # Cached by the pull in get_num_new_matched_tokens: no second wait here.
-            params = self.params.get(run_id_of(request))
-            self._pending_values[request.request_id] = (params.mean, params.std)
+            mean, std = (params.mean, params.std) if params else (self.params.default.mean,
+                                                                  self.params.default.std)
+            self._pending_values[request.request_id] = (mean, std)
+            if run_id is not None:
+                self._pending_runs[request.request_id] = run_id
+        if run_id is not None and params is not None:
+            self.reporter.add(
+                run_id,
+                requests_seen=1,
+                prefill_requests=int(params.mode == "prefill"),
+                fallback_requests=int(params.source == "fallback"),
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FillConnectorMetadata:
         """Blocks to fill this step and the values for each request."""
         meta = FillConnectorMetadata(
             reqs_to_fill=dict(self._pending_fills),
             fill_values=dict(self._pending_values),
+            run_ids=dict(self._pending_runs),
         )
         self._pending_fills.clear()
         self._pending_values.clear()
+        self._pending_runs.clear()
         return meta
 
     def request_finished(self, request: Request) -> None:
-        """Forget a finished request."""
+        """Forget a finished (or aborted) request."""
         super().request_finished(request)
+        self._decided.pop(request.request_id, None)
         self._pending_values.pop(request.request_id, None)
+        self._pending_runs.pop(request.request_id, None)
+
+    def tracked_requests(self) -> int:
+        """How many requests the scheduler side holds state for (0 when idle)."""
+        return len(self._decided) + len(self._filled_requests) + len(self._pending_fills)
 
     def shutdown(self) -> None:
-        """Stop the pull threads."""
+        """Stop the pull threads and send the last report."""
         self.params.close()
-
-    def stats(self) -> dict[str, Any]:
-        """Counters for logs."""
-        return {
-            "pulls": self.params.pulls,
-            "pull_failures": self.params.failures,
-            "fallback_requests": self.fallback_requests,
-        }
+        self.reporter.close()

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
 )
 
 from connector.metadata import FillConnectorMetadata
+from connector.report import Reporter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -178,48 +179,75 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, kv_cache_config)
-        self.requests_filled = 0
-        self.blocks_filled = 0
-        self.bytes_filled = 0
-        self.fill_seconds = 0.0
+        config = vllm_config.kv_transfer_config
+        self.reporter = Reporter(
+            config.get_from_extra_config("control_url", None),
+            config.get_from_extra_config("worker_token", None),
+            role="worker",
+            rank=_tp_rank(),
+        )
 
     def start_fill_kv(self, metadata: FillConnectorMetadata) -> None:
-        """Fill every request's selected blocks, per KV cache group."""
+        """Fill every request's selected blocks, per KV cache group, and count it per run."""
         if not metadata.reqs_to_fill:
             return
         assert self.kv_caches is not None, "KV caches must be registered before filling"
-        started = time.perf_counter()
         for req_id, (block_ids_per_group, _num_tokens) in metadata.reqs_to_fill.items():
             mean, std = metadata.fill_values.get(req_id, (self.fill_mean, self.fill_std))
+            started = time.perf_counter()
+            blocks = nbytes = 0
+            device = None
             for group_idx, block_ids in enumerate(block_ids_per_group):
                 if block_ids:
-                    self._fill_group(group_idx, block_ids, mean, std)
-                    self.blocks_filled += len(block_ids)
-            self.requests_filled += 1
-        self.fill_seconds += time.perf_counter() - started
+                    written, device = self._fill_group(group_idx, block_ids, mean, std)
+                    nbytes += written
+                    blocks += len(block_ids)
+            if device is not None and device.type == "cuda":
+                # Count the time the fill really took, not the time to launch it.
+                torch.cuda.synchronize(device)
+            run_id = metadata.run_ids.get(req_id)
+            if run_id is not None:
+                self.reporter.add(
+                    run_id,
+                    requests_filled=1,
+                    blocks_filled=blocks,
+                    bytes_filled=nbytes,
+                    fill_seconds=time.perf_counter() - started,
+                )
 
-    def _fill_group(self, group_idx: int, block_ids: list[int], mean: float, std: float) -> None:
+    def _fill_group(
+        self, group_idx: int, block_ids: list[int], mean: float, std: float
+    ) -> tuple[int, torch.device | None]:
         assert self.kv_caches is not None
         if group_idx in self._zero_fill_group_ids:
             # Circular buffers may pack non-float metadata: only zeros are safe.
             mean, std = 0.0, 0.0
+        written = 0
+        device = None
         for layer_name in self.group_to_layers.get(group_idx, []):
             cache: Any = self.kv_caches.get(layer_name)
             if isinstance(cache, torch.Tensor):
                 fill_dtype = self._fp8_dtypes.get(layer_name, cache.dtype)
-                self.bytes_filled += fill_block_rows(cache, block_ids, mean, std, fill_dtype)
+                written += fill_block_rows(cache, block_ids, mean, std, fill_dtype)
+                device = cache.device
             elif isinstance(cache, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in cache):
                 for state in cache:
-                    self.bytes_filled += fill_whole(state, mean, std)
+                    written += fill_whole(state, mean, std)
+                    device = state.device
             else:
                 log.warning("FillConnector: layer %s has no fillable KV cache (%s)",
                             layer_name, type(cache).__name__)
+        return written, device
 
-    def stats(self) -> dict[str, float]:
-        """What this worker has filled so far."""
-        return {
-            "requests_filled": self.requests_filled,
-            "blocks_filled": self.blocks_filled,
-            "bytes_filled": self.bytes_filled,
-            "fill_seconds": self.fill_seconds,
-        }
+    def shutdown(self) -> None:
+        """Send the last report."""
+        self.reporter.close()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (unit tests): a single rank
+        return 0

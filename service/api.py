@@ -19,6 +19,7 @@ from service.metrics import Sample as SampleData
 from service.metrics import export_vllm
 from service.models import (
     FINISHED,
+    ConnectorReport,
     FillAnswer,
     Run,
     RunList,
@@ -173,6 +174,22 @@ def list_workers(engine: DB) -> list[WorkerPublic]:
         return [WorkerPublic.model_validate(w, from_attributes=True) for w in rows]
 
 
+def _worker_of(engine: Engine, authorization: str | None) -> Worker:
+    """The active worker a bearer token belongs to, or 401/403."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("a worker bearer token is required")
+    digest = hash_token(token)
+    with Session(engine) as session:
+        worker = session.exec(select(Worker).where(Worker.token_hash == digest)).first()
+    # The lookup is by hash; compare again in constant time before trusting it.
+    if worker is None or not hmac.compare_digest(worker.token_hash, digest):
+        raise Unauthorized("unknown worker token")
+    if worker.status not in ("starting", "ready"):
+        raise Forbidden("this worker is no longer active")
+    return worker
+
+
 @router.get("/api/connector/fill", response_model=FillAnswer)
 def connector_fill(
     engine: DB,
@@ -180,23 +197,29 @@ def connector_fill(
     authorization: Annotated[str | None, Header()] = None,
 ) -> FillAnswer:
     """Fill parameters of one run, for the connector inside the run's worker."""
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise Unauthorized("a worker bearer token is required")
-    digest = hash_token(token)
-    with Session(engine) as session:
-        worker = session.exec(select(Worker).where(Worker.token_hash == digest)).first()
-        # The lookup is by hash; compare again in constant time before trusting it.
-        if worker is None or not hmac.compare_digest(worker.token_hash, digest):
-            raise Unauthorized("unknown worker token")
-        if worker.status not in ("starting", "ready"):
-            raise Forbidden("this worker is no longer active")
-        run = session.get(Run, run_id)
-        if run is None or run.worker_id != worker.id:
-            raise NotFound(f"run {run_id!r} is not assigned to this worker")
-        spec = RunSpec.model_validate(run.spec)
+    worker = _worker_of(engine, authorization)
+    try:
+        run: Run | None = store.get_run(engine, run_id)
+    except NotFound:
+        run = None
+    # The same answer whether the run does not exist or is another worker's.
+    if run is None or run.worker_id != worker.id:
+        raise NotFound(f"run {run_id!r} is not assigned to this worker")
+    spec = RunSpec.model_validate(run.spec)
     store.record_pull(engine, run_id)
     return FillAnswer(run_id=run_id, mode=spec.mode, mean=spec.fill.mean, std=spec.fill.std)
+
+
+@router.post("/api/connector/report", status_code=204)
+def connector_report(
+    report: ConnectorReport,
+    engine: DB,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Response:
+    """Cumulative fill counters from a worker's connector, per run it served."""
+    worker = _worker_of(engine, authorization)
+    store.record_report(engine, worker.id, f"{report.role}:{report.rank}", report.runs)
+    return Response(status_code=204)
 
 
 @router.get("/healthz")

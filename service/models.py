@@ -298,7 +298,7 @@ class RunPublic(BaseModel):
     @classmethod
     def of(cls, run: Run) -> RunPublic:
         """Build from a table row."""
-        connector = dict(run.connector or {})
+        connector = connector_totals((run.connector or {}).get("ranks", {}))
         connector["pulls"] = run.connector_pulls
         return cls(
             id=run.id,
@@ -357,6 +357,48 @@ class WorkerPublic(BaseModel):
     stopped_at: datetime | None
     error: str | None
     log_path: str
+
+
+REPORT_COUNTERS = (
+    "requests_seen", "prefill_requests", "fallback_requests",
+    "requests_filled", "blocks_filled", "bytes_filled", "fill_seconds",
+)
+
+
+class ConnectorReport(Strict):
+    """Cumulative counters one connector side (role, rank) keeps per run."""
+
+    role: Literal["scheduler", "worker"]
+    rank: int = Field(ge=0, le=1024)
+    runs: dict[str, dict[str, float]] = Field(max_length=4096)
+
+    @field_validator("runs")
+    @classmethod
+    def _known_counters(cls, runs: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for run_id, counters in runs.items():
+            if len(run_id) > 64:
+                raise ValueError("run id too long")
+            for name, value in counters.items():
+                if name not in REPORT_COUNTERS:
+                    raise ValueError(f"unknown counter {name!r}")
+                if not math.isfinite(value) or value < 0:
+                    raise ValueError(f"counter {name!r} must be a finite number >= 0")
+        return runs
+
+
+def connector_totals(ranks: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """One run's connector report: every rank fills the same blocks of its own heads,
+    so requests and blocks are per rank (max), bytes add up, and time is the slowest rank."""
+    workers = [c for key, c in ranks.items() if key.startswith("worker:")]
+    schedulers = [c for key, c in ranks.items() if key.startswith("scheduler:")]
+    total: dict[str, Any] = {}
+    for name in ("requests_seen", "prefill_requests", "fallback_requests"):
+        total[name] = int(sum(c.get(name, 0) for c in schedulers))
+    for name in ("requests_filled", "blocks_filled"):
+        total[name] = int(max((c.get(name, 0) for c in workers), default=0))
+    total["bytes_filled"] = int(sum(c.get("bytes_filled", 0) for c in workers))
+    total["fill_seconds"] = max((c.get("fill_seconds", 0.0) for c in workers), default=0.0)
+    return total
 
 
 class FillAnswer(BaseModel):

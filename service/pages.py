@@ -11,7 +11,7 @@ from fastapi.templating import Jinja2Templates
 
 from service import store
 from service.api import DB
-from service.models import RunStatus
+from service.models import RunStatus, connector_totals
 
 router = APIRouter()
 templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
@@ -76,6 +76,7 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
         {
             "run": run,
             "summary": run.summary or {},
+            "connector": connector_totals((run.connector or {}).get("ranks", {})),
             "groups": METRIC_GROUPS,
             "latencies": LATENCIES,
             "stats": STATS,

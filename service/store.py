@@ -190,3 +190,23 @@ def record_pull(engine: Engine, run_id: str) -> None:
             .values(connector_pulls=col(Run.connector_pulls) + 1)
         )
         session.commit()
+
+
+def record_report(
+    engine: Engine, worker_id: str, source: str, runs: dict[str, dict[str, float]]
+) -> int:
+    """Store a connector's cumulative counters for the runs this worker served; return how many."""
+    stored = 0
+    with write_session(engine) as session:
+        for run_id, counters in runs.items():
+            run = session.get(Run, run_id)
+            if run is None or run.worker_id != worker_id:
+                continue  # not this worker's run: ignored, never trusted
+            report = dict(run.connector or {})
+            ranks = dict(report.get("ranks", {}))
+            ranks[source] = counters
+            report["ranks"] = ranks
+            run.connector = report
+            session.add(run)
+            stored += 1
+    return stored

@@ -7,6 +7,7 @@ reuse it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,7 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import wait_finished
+from service.loadgen import make_plan
+from service.models import RunSpec
+from service.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
+from tests.conftest import wait_finished, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -65,6 +69,71 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _start_vllm(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", TINY_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--load-format", "dummy", "--enforce-eager",
+            "--gpu-memory-utilization", "0.3", *extra]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "vLLM server did not come up"
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Two plain vLLM servers on the tiny model: one without a connector, one with vLLM's
+    own DecodeBenchConnector (fill mean 0.7)."""
+    root = tmp_path_factory.mktemp("reference")
+    model_dir = ensure_tiny_model(root / "models")
+    upstream_config = json.dumps({"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"fill_mean": 0.7, "fill_std": 0.0}})
+    plain = _start_vllm(model_dir, root / "plain.log")
+    upstream = _start_vllm(model_dir, root / "upstream.log", "--kv-transfer-config", upstream_config)
+    try:
+        _wait_healthy(*plain, root / "plain.log")
+        _wait_healthy(*upstream, root / "upstream.log")
+        yield {"plain": plain[1], "upstream": upstream[1]}
+    finally:
+        _stop(plain[0])
+        _stop(upstream[0])
+
+
+def _generate(url: str, spec: dict[str, Any]) -> list[str]:
+    """What a server generates, greedily, for the prompts a run with ``spec`` sends."""
+    plan = make_plan(RunSpec(**spec), VOCAB_SIZE)
+    texts = []
+    for prompt, n in zip(plan.prompts, plan.output_lens, strict=True):
+        body = {"model": TINY_MODEL_NAME, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
+                "temperature": 0.0}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["text"])
+    return texts
 
 
 def _run(client: httpx.Client, **spec: Any) -> dict[str, Any]:
@@ -117,3 +186,49 @@ def test_fill_values_change_the_generated_tokens(service: httpx.Client) -> None:
     low_again = _run(service, **common, fill={"mean": 0.015})
     assert _texts(service, low["id"]) == _texts(service, low_again["id"])
     assert _texts(service, low["id"]) != _texts(service, high["id"])
+
+
+def _connector_settled(client: httpx.Client, run_id: str, key: str, value: int) -> dict[str, Any]:
+    """The run once its connector report (sent about once a second) shows ``key == value``."""
+    run = wait_for(client, run_id, lambda r: r["connector"].get(key) == value, timeout=15)
+    return dict(run["connector"])
+
+
+def test_connector_reports_what_it_filled(service: httpx.Client) -> None:
+    run = _run(service, input_len=3000, output_len=4, num_prompts=5, max_concurrency=5)
+    report = _connector_settled(service, run["id"], "requests_filled", 5)
+    assert report["requests_seen"] == 5
+    assert report["prefill_requests"] == 0 and report["fallback_requests"] == 0
+    assert report["blocks_filled"] >= 5
+    # 2 layers x (K, V) x 2 KV heads x head dim 32 x 4 bytes = 1,024 bytes per token,
+    # and every filled block holds block_size tokens.
+    per_block = report["bytes_filled"] / report["blocks_filled"]
+    assert per_block >= 1024 and per_block % 1024 == 0
+    assert report["fill_seconds"] > 0
+
+
+def test_fill_run_generates_what_vllms_decode_bench_connector_generates(
+    service: httpx.Client, reference_servers: dict[str, str]
+) -> None:
+    spec: dict[str, Any] = {"input_len": 3000, "output_len": 12, "num_prompts": 3,
+                            "max_concurrency": 1, "seed": 21, "fill": {"mean": 0.7, "std": 0.0}}
+    ours = _run(service, **spec)
+    expected = _generate(reference_servers["upstream"], spec)
+    assert _texts(service, ours["id"]) == expected
+    # The tokens depend on the fill: a server without a connector generates others.
+    assert _generate(reference_servers["plain"], spec) != expected
+
+
+def test_prefill_run_after_fill_run_matches_a_server_without_connector(
+    service: httpx.Client, reference_servers: dict[str, str]
+) -> None:
+    spec: dict[str, Any] = {"input_len": 1500, "output_len": 12, "num_prompts": 3,
+                            "max_concurrency": 1, "seed": 33}
+    fill = _run(service, **spec, fill={"mean": 2.0})
+    prefill = _run(service, **spec, mode="prefill")
+    assert prefill["worker_id"] == fill["worker_id"]  # same server, no restart
+    expected = _generate(reference_servers["plain"], spec)
+    assert _texts(service, prefill["id"]) == expected
+    assert _texts(service, fill["id"]) != expected
+    report = _connector_settled(service, prefill["id"], "prefill_requests", 3)
+    assert report["requests_filled"] == 0
