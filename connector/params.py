@@ -123,6 +123,9 @@ class ParamsClient:
         try:
             with urllib.request.urlopen(request, timeout=max(1.0, self.timeout_s * 20)) as resp:
                 body = resp.read(64 * 1024)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            raise PullError(f"HTTP {exc.code}") from exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
             raise PullError(str(exc)) from exc
         return parse_answer(body)

@@ -1,0 +1,190 @@
+"""Which blocks the connector fills, through vLLM's real scheduler, against vLLM's own
+DecodeBenchConnector on the same requests."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from tests import vllm_harness as h
+from tests.test_connector_params import Control
+
+BS = 16
+
+
+def _prompt(n: int, start: int = 3) -> list[int]:
+    return [start + (i % 8000) for i in range(n)]
+
+
+def _both(tmp_path: Path, kv: Any, script: Any, **config: Any) -> tuple[Any, Any]:
+    """Run ``script(scheduler)`` with our connector and with vLLM's; return both results."""
+    ours = script(h.scheduler(h.vllm_config(tmp_path, h.OURS, **config), kv()))
+    upstream = script(h.scheduler(h.vllm_config(tmp_path, h.UPSTREAM, **config), kv()))
+    return ours, upstream
+
+
+def _one_group() -> Any:
+    return h.kv_config([(["layer0", "layer1"], h.attention(BS))])
+
+
+@pytest.mark.parametrize("n", [2, 17, 100, 1000, 4097])
+def test_plain_request_fills_all_prompt_tokens_but_the_last(tmp_path: Path, n: int) -> None:
+    def script(sched: Any) -> Any:
+        sched.add_request(h.request(_prompt(n), request_id="a"))
+        return h.fills(h.run_until_idle(sched))
+
+    ours, upstream = _both(tmp_path, _one_group, script)
+    assert ours == upstream
+    (blocks,), tokens = ours["a"]
+    assert tokens == n - 1
+    assert len(blocks) == math.ceil((n - 1) / BS)
+
+
+def test_one_token_prompt_fills_nothing(tmp_path: Path) -> None:
+    def script(sched: Any) -> Any:
+        sched.add_request(h.request([5], request_id="a"))
+        return h.fills(h.run_until_idle(sched))
+
+    ours, upstream = _both(tmp_path, _one_group, script)
+    assert ours == upstream == {}
+
+
+def test_prefix_cache_hit_fills_only_the_suffix(tmp_path: Path) -> None:
+    shared = _prompt(64)
+
+    def script(sched: Any) -> Any:
+        sched.add_request(h.request(shared + _prompt(40, 1000), request_id="first"))
+        h.run_until_idle(sched)
+        sched.add_request(h.request(shared + _prompt(60, 2000), request_id="second"))
+        return h.fills(h.run_until_idle(sched))
+
+    ours, upstream = _both(tmp_path, _one_group, script)
+    assert ours == upstream
+    (blocks,), tokens = ours["second"]
+    # 64 shared tokens (4 full blocks) come from the prefix cache; 124 - 1 - 64 are filled.
+    assert tokens == 123 - 64
+    assert len(blocks) == math.ceil(123 / BS) - 64 // BS
+
+
+def test_other_cache_salt_never_hits_another_runs_blocks(tmp_path: Path) -> None:
+    prompt = _prompt(200)
+
+    def script(sched: Any) -> Any:
+        sched.add_request(h.request(prompt, request_id="first", salt="r-1"))
+        h.run_until_idle(sched)
+        sched.add_request(h.request(prompt, request_id="other-run", salt="r-2"))
+        other = h.fills(h.run_until_idle(sched))["other-run"]
+        sched.add_request(h.request(prompt, request_id="same-run", salt="r-1"))
+        same = h.fills(h.run_until_idle(sched))["same-run"]
+        return other, same
+
+    ours, upstream = _both(tmp_path, _one_group, script)
+    assert ours == upstream
+    other, same = ours
+    # Another run's salt: no prefix hit, every token but the last is filled afresh.
+    assert other[1] == 199
+    # The same salt hits the 12 cached full blocks: only the rest is filled.
+    assert same[1] == 199 - 12 * BS
+
+
+def test_external_range_starting_inside_a_block(tmp_path: Path) -> None:
+    # 40 shared tokens: 2 full cached blocks plus 8 tokens into the third, which is not cached,
+    # so the fill starts at block 2 even though the cache covers part of it.
+    shared = _prompt(40)
+
+    def script(sched: Any) -> Any:
+        sched.add_request(h.request(shared + _prompt(30, 3000), request_id="first"))
+        h.run_until_idle(sched)
+        sched.add_request(h.request(shared + _prompt(57, 4000), request_id="second"))
+        return h.fills(h.run_until_idle(sched))
+
+    ours, upstream = _both(tmp_path, _one_group, script)
+    assert ours == upstream
+    (blocks,), tokens = ours["second"]
+    assert tokens == 96 - 32
+    assert len(blocks) == math.ceil(96 / BS) - 2
+
+
+def _hybrid() -> Any:
+    return h.kv_config([
+        (["layer0", "layer2"], h.attention(BS)),
+        (["layer1", "layer3"], h.sliding(window=64, block_size=BS)),
+    ])
+
+
+def test_hybrid_groups_fill_their_own_blocks_and_skip_null_ones(tmp_path: Path) -> None:
+    def script(sched: Any) -> Any:
+        sched.add_request(h.request(_prompt(1000), request_id="a"))
+        return h.fills(h.run_until_idle(sched))
+
+    ours, upstream = _both(tmp_path, _hybrid, script)
+    assert ours == upstream
+    (full, window), tokens = ours["a"]
+    assert tokens == 999
+    assert len(full) == math.ceil(999 / BS)
+    # The window group keeps only the blocks its window needs: the rest are null and skipped.
+    assert 0 < len(window) < len(full)
+    assert not set(full) & set(window)
+
+
+def test_requests_of_two_runs_in_one_step_carry_their_own_values(tmp_path: Path) -> None:
+    control = Control()
+    try:
+        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t",
+                                                  "pull_timeout_s": 2.0})
+        sched = h.scheduler(config, _one_group())
+        sched.add_request(h.request(_prompt(300), run_id="r-a", request_id="a"))
+        sched.add_request(h.request(_prompt(300, 500), run_id="p-b", request_id="b"))
+        sched.add_request(h.request(_prompt(300, 900), request_id="c"))
+        _, meta = h.step(sched)
+    finally:
+        control.server.shutdown()
+        control.server.server_close()
+    # "r-a" is a fill run (service values), "p-b" a prefill run (no fill), "c" untagged (defaults).
+    assert set(meta.reqs_to_fill) == {"a", "c"}
+    assert meta.fill_values == {"a": (0.25, 0.5), "c": (0.015, 0.0)}
+    assert meta.run_ids == {"a": "r-a"}
+    assert control.hits == 2
+
+
+def test_no_state_left_after_thousands_of_finished_and_aborted_requests(tmp_path: Path) -> None:
+    sched = h.scheduler(h.vllm_config(tmp_path, h.OURS, max_batched=2048), _one_group())
+    connector = sched.connector.connector_scheduler
+    aborted = 0
+    for i in range(3000):
+        sched.add_request(h.request(_prompt(40 + i % 50, i), run_id=f"r-{i % 7}",
+                                    request_id=f"q{i}", max_tokens=3))
+        if i % 100 == 99:
+            h.step(sched)
+            # Abort some of what is in flight: scheduled (filled) ones and still waiting ones.
+            live = sorted(sched.requests)[::9]
+            sched.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            aborted += len(live)
+    h.run_until_idle(sched)
+    assert aborted > 300
+    assert connector.tracked_requests() == 0
+    assert not connector._pending_values and not connector._pending_runs
+
+
+def test_preempted_request_is_recomputed_not_filled_again(tmp_path: Path) -> None:
+    # Few blocks: the second request's growth preempts the first.
+    kv = h.kv_config([(["layer0"], h.attention(BS))], num_blocks=12)
+    sched = h.scheduler(h.vllm_config(tmp_path, h.OURS), kv)
+    sched.add_request(h.request(_prompt(80), request_id="a", max_tokens=60))
+    sched.add_request(h.request(_prompt(80, 500), request_id="b", max_tokens=60))
+    selected: dict[str, int] = {}
+    preempted = False
+    for _ in range(400):
+        if not sched.has_requests():
+            break
+        out, meta = h.step(sched)
+        preempted = preempted or bool(getattr(out, "preempted_req_ids", None))
+        for req_id in meta.reqs_to_fill:
+            selected[req_id] = selected.get(req_id, 0) + 1
+    assert preempted, "the test did not manage to preempt a request"
+    assert selected == {"a": 1, "b": 1}
+    assert sched.connector.connector_scheduler.tracked_requests() == 0
