@@ -188,3 +188,23 @@ def test_preempted_request_is_recomputed_not_filled_again(tmp_path: Path) -> Non
     assert preempted, "the test did not manage to preempt a request"
     assert selected == {"a": 1, "b": 1}
     assert sched.connector.connector_scheduler.tracked_requests() == 0
+
+
+def test_failed_pull_is_counted_per_run_for_the_service(tmp_path: Path) -> None:
+    control = Control()
+    control.behaviour = "error"
+    try:
+        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t",
+                                                  "pull_timeout_s": 2.0, "fill_mean": 0.2})
+        sched = h.scheduler(config, _one_group())
+        sched.add_request(h.request(_prompt(100), run_id="r-x", request_id="a"))
+        sched.add_request(h.request(_prompt(100, 700), run_id="r-x", request_id="b"))
+        _, meta = h.step(sched)
+    finally:
+        control.server.shutdown()
+        control.server.server_close()
+    # Both requests ran on the extra-config values, and the report says so.
+    assert meta.fill_values == {"a": (0.2, 0.0), "b": (0.2, 0.0)}
+    counters = sched.connector.connector_scheduler.reporter.snapshot("r-x")
+    assert counters["fallback_requests"] == 2
+    assert counters["requests_seen"] == 2
