@@ -82,10 +82,13 @@ class ParamsClient:
             if failed_at is not None and time.monotonic() - failed_at < self.retry_after_s:
                 return self._fallback()
             future = self._inflight.get(run_id)
+            started = future is None
             if future is None:
                 future = self._pool.submit(self._pull, run_id)
                 self._inflight[run_id] = future
-                future.add_done_callback(functools.partial(self._landed, run_id))
+        if started:
+            # Outside the lock: a pull that already finished runs the callback right here.
+            future.add_done_callback(functools.partial(self._landed, run_id))
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import numpy as np
 
 from service.metrics import Sample
@@ -71,7 +71,12 @@ def make_plan(spec: RunSpec, vocab_size: int | None) -> Plan:
 
 
 class LoadGenerator:
-    """Drives one run's requests against one OpenAI-compatible server."""
+    """Drives one run's requests against one OpenAI-compatible server.
+
+    aiohttp, not httpx: on a 2-core machine httpx's per-chunk overhead made the
+    client, not the server, the limit at a few hundred streams
+    (``benchmarks/loadgen.py``).
+    """
 
     def __init__(
         self,
@@ -85,15 +90,27 @@ class LoadGenerator:
         self.served_model = served_model
         self.run_id = run_id
         self.max_concurrency = max_concurrency
-        limit = max_concurrency or 10_000
-        self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-            timeout=httpx.Timeout(request_timeout_s, connect=30.0),
-        )
+        self.request_timeout_s = request_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The HTTP session, made on first use (it must be made inside the event loop)."""
+        if self._session is None:
+            limit = self.max_concurrency or 0  # 0: no limit
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit),
+                # A stream that sends nothing for this long has hung.
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=30, sock_read=self.request_timeout_s
+                ),
+            )
+        return self._session
 
     async def aclose(self) -> None:
-        """Close the HTTP client (and with it any open streams)."""
-        await self.client.aclose()
+        """Close the HTTP session (and with it any open streams)."""
+        if self._session is not None:
+            await self._session.close()
 
     def _payload(self, prompt: list[int], output_len: int) -> dict[str, object]:
         return {
@@ -127,42 +144,46 @@ class LoadGenerator:
         sample.sent_time = start
         last = start
         got_first = False
+        buffer = b""
         try:
-            async with self.client.stream(
-                "POST", self.url, json=self._payload(prompt, output_len)
-            ) as response:
-                if response.status_code != 200:
-                    body = (await response.aread()).decode("utf-8", errors="replace")
-                    sample.error = f"HTTP {response.status_code}: {body[:500]}"
+            async with self.session.post(self.url, json=self._payload(prompt, output_len)) as response:
+                if response.status != 200:
+                    body = (await response.read()).decode("utf-8", errors="replace")
+                    sample.error = f"HTTP {response.status}: {body[:500]}"
                     return sample
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        continue
-                    chunk = json.loads(data)
-                    choices = chunk.get("choices")
-                    if choices:
-                        now = time.perf_counter()
-                        if not got_first:
-                            got_first = True
-                            sample.ttft = now - start
-                        else:
-                            sample.itl.append(now - last)
-                        last = now
-                        text.append(choices[0].get("text") or "")
-                    elif usage := chunk.get("usage"):
-                        sample.output_tokens = int(usage.get("completion_tokens") or 0)
-                        if usage.get("prompt_tokens") is not None:
-                            sample.prompt_len = int(usage["prompt_tokens"])
+                async for data in response.content.iter_any():
+                    now = time.perf_counter()
+                    buffer += data
+                    # Server-sent events end with a blank line; keep a partial one for later.
+                    *events, buffer = buffer.split(b"\n\n")
+                    for event in events:
+                        event = event.strip()
+                        if not event.startswith(b"data:"):
+                            continue
+                        payload = event[5:].strip()
+                        if payload == b"[DONE]":
+                            continue
+                        chunk = json.loads(payload)
+                        choices = chunk.get("choices")
+                        if choices:
+                            if not got_first:
+                                got_first = True
+                                sample.ttft = now - start
+                            else:
+                                sample.itl.append(now - last)
+                            last = now
+                            text.append(choices[0].get("text") or "")
+                        elif usage := chunk.get("usage"):
+                            sample.output_tokens = int(usage.get("completion_tokens") or 0)
+                            if usage.get("prompt_tokens") is not None:
+                                sample.prompt_len = int(usage["prompt_tokens"])
             sample.latency = last - start
             sample.generated_text = "".join(text)
             if got_first:
                 sample.success = True
             else:
                 sample.error = "no chunk with tokens was received"
-        except (httpx.HTTPError, ValueError, OSError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
             sample.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return sample
 
@@ -174,6 +195,8 @@ class LoadGenerator:
         on_done: Callable[[Sample], None] | None,
     ) -> float:
         slots = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
+        # Make the session (and its TLS context) before the clock starts, as vLLM's client does.
+        assert not self.session.closed
         start = time.perf_counter()
 
         async def one(i: int) -> None:

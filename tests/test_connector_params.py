@@ -138,3 +138,20 @@ def test_failed_pull_is_retried_after_the_window(control: Control) -> None:
     control.behaviour = "ok"
     time.sleep(0.2)
     assert client.get("r-1").source == "service"
+
+
+def test_a_pull_that_finishes_at_once_does_not_deadlock() -> None:
+    from concurrent.futures import Future
+
+    from connector.params import FillParams
+
+    client = _client("http://127.0.0.1:9", timeout=1.0)
+    done: Future[FillParams] = Future()
+    done.set_result(FillParams("fill", 0.5, 0.0, "service"))
+    client._pool.submit = lambda *args, **kwargs: done  # type: ignore[method-assign]
+    result: list[FillParams] = []
+    thread = threading.Thread(target=lambda: result.append(client.get("r-1")), daemon=True)
+    thread.start()
+    thread.join(timeout=2)
+    assert result == [FillParams("fill", 0.5, 0.0, "service")], "get() hung"
+    assert client.get("r-1").mean == 0.5  # cached

@@ -1,0 +1,129 @@
+"""Load generator capacity: ours against ``vllm bench serve``'s client, on a stub server with a
+known inter-token interval.
+
+The stub (``token_stub.py``, its own process) streams one token every
+``--interval`` seconds per request. At each concurrency level both clients send
+the same number of requests, one after the other in this process; the table
+shows achieved output tokens/s and how far each client's median ITL is from the
+stub's true interval. A client that cannot keep up reports lower throughput and
+inflated ITLs: its own limit, not the server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+from vllm.benchmarks.lib.endpoint_request_func import (
+    RequestFuncInput,
+    async_request_openai_completions,
+)
+
+from service.loadgen import LoadGenerator, make_plan
+from service.metrics import Sample
+from service.models import RunSpec
+
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _ours(url: str, concurrency: int, requests: int, tokens: int) -> tuple[float, list[float]]:
+    spec = RunSpec(input_len=8, output_len=tokens, num_prompts=requests, max_concurrency=concurrency)
+    plan = make_plan(spec, 1000)
+    samples: list[Sample] = []
+    generator = LoadGenerator(url, "stub", "r-bench", concurrency, 120)
+    try:
+        duration = await generator.measure(plan, samples.append)
+    finally:
+        await generator.aclose()
+    assert all(s.success for s in samples), samples[0].error
+    return sum(s.output_tokens for s in samples) / duration, [g for s in samples for g in s.itl]
+
+
+async def _vllm(url: str, concurrency: int, requests: int, tokens: int) -> tuple[float, list[float]]:
+    slots = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True) as session:
+
+        async def one(i: int) -> object:
+            inp = RequestFuncInput(prompt=[3 + i % 50] * 8, api_url=f"{url}/v1/completions",
+                                   prompt_len=8, output_len=tokens, model="stub", ignore_eos=True)
+            async with slots:
+                return await async_request_openai_completions(inp, session)
+
+        start = time.perf_counter()
+        outputs = await asyncio.gather(*(one(i) for i in range(requests)))
+        duration = time.perf_counter() - start
+    assert all(o.success for o in outputs), outputs[0].error  # type: ignore[attr-defined]
+    total = sum(o.output_tokens for o in outputs)  # type: ignore[attr-defined]
+    return total / duration, [g for o in outputs for g in o.itl]  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    """Run the levels and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--levels", default="16,64,256")
+    parser.add_argument("--interval", type=float, default=0.05)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x level")
+    args = parser.parse_args()
+    port = _free_port()
+    stub = subprocess.Popen([sys.executable, str(HERE / "token_stub.py"), "--port", str(port),
+                             "--interval", str(args.interval)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        ideal = 1 / args.interval
+        print(f"stub: one token every {args.interval * 1000:.0f} ms per stream "
+              f"({ideal:.0f} tok/s per stream), {args.tokens} tokens per request")
+        print(f"{'streams':>8}{'ideal tok/s':>13}{'ours tok/s':>12}{'vllm tok/s':>12}"
+              f"{'ours/vllm':>11}{'ours ITL err':>14}{'vllm ITL err':>14}")
+        ratio = err_ours = 0.0
+        level = 0
+        for level in (int(x) for x in args.levels.split(",")):
+            n = level * args.rounds
+            # vLLM's import leaves millions of objects on the heap; a full collection in the
+            # middle of a run would stall whichever client triggered it. Freeze them first.
+            gc.collect()
+            gc.freeze()
+            vllm_tps, vllm_itl = asyncio.run(_vllm(url, level, n, args.tokens))
+            gc.collect()
+            gc.freeze()
+            ours_tps, ours_itl = asyncio.run(_ours(url, level, n, args.tokens))
+            err_ours = abs(statistics.median(ours_itl) - args.interval) / args.interval * 100
+            err_vllm = abs(statistics.median(vllm_itl) - args.interval) / args.interval * 100
+            ratio = ours_tps / vllm_tps
+            print(f"{level:>8}{ideal * level:>13.0f}{ours_tps:>12.0f}{vllm_tps:>12.0f}"
+                  f"{ratio:>10.2f}x{err_ours:>13.1f}%{err_vllm:>13.1f}%")
+        print(f"loadgen: ours/vllm throughput at max concurrency {level} {ratio:.2f}x; "
+              f"ours median ITL error {err_ours:.1f}%")
+    finally:
+        gc.unfreeze()
+        stub.terminate()
+        stub.wait()
+
+
+if __name__ == "__main__":
+    main()

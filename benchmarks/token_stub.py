@@ -1,0 +1,74 @@
+"""A minimal OpenAI-style streaming server that emits one token every ``--interval`` seconds.
+
+Raw asyncio (uvloop when installed), no framework, so that at hundreds of streams
+the server adds as little as possible of its own delay: each stream's tokens are
+due at absolute times start + k * interval, never drifting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop ships with vLLM
+    uvloop = None  # type: ignore[assignment]
+
+
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            body = json.loads(await reader.readexactly(length)) if length else {}
+            if not head.startswith(b"POST"):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+                continue
+            n = int(body.get("max_tokens", 16))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            event = b'data: {"choices":[{"index":0,"text":" x","finish_reason":null}]}\n\n'
+            start = time.perf_counter()
+            for k in range(n):
+                delay = start + (k + 1) * interval - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            usage = json.dumps({"choices": [], "usage": {"prompt_tokens": len(body.get("prompt", [])),
+                                                         "completion_tokens": n}})
+            tail = f"data: {usage}\n\ndata: [DONE]\n\n".encode()
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _serve(port: int, interval: float) -> None:
+    server = await asyncio.start_server(lambda r, w: _handle(r, w, interval), "127.0.0.1", port,
+                                        backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    """Serve until killed."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--interval", type=float, default=0.02)
+    args = parser.parse_args()
+    if uvloop is not None:
+        uvloop.install()
+    asyncio.run(_serve(args.port, args.interval))
+
+
+if __name__ == "__main__":
+    main()
