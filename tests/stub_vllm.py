@@ -29,7 +29,7 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
     """The stub's app."""
     app = FastAPI()
     started = time.monotonic()
-    state = {"requests": 0}
+    state = {"requests": 0, "open": 0}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -54,15 +54,19 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
         n_in = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
 
         async def stream() -> AsyncIterator[bytes]:
-            for i in range(n_out):
-                await asyncio.sleep(interval)
-                chunk = {"id": "cmpl-stub", "object": "text_completion",
-                         "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            usage = {"prompt_tokens": n_in, "completion_tokens": n_out,
-                     "total_tokens": n_in + n_out}
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            state["open"] += 1
+            try:
+                for i in range(n_out):
+                    await asyncio.sleep(interval)
+                    chunk = {"id": "cmpl-stub", "object": "text_completion",
+                             "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                usage = {"prompt_tokens": n_in, "completion_tokens": n_out,
+                         "total_tokens": n_in + n_out}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            finally:
+                state["open"] -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
+import httpx
 from fastapi.testclient import TestClient
 
 from service.app import create_app
@@ -77,6 +79,12 @@ def test_cancel_running_run_keeps_samples_so_far(tmp_path: Path) -> None:
         samples = client.get(f"/api/runs/{run['id']}/requests").json()
         assert 2 <= len(samples) < 40
         assert sum(s["success"] for s in samples) >= 2
+        # The in-flight streams were closed, so the server stops generating for them.
+        worker = client.get("/api/workers").json()[0]
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{worker['url']}/stub/requests").json()["open"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{worker['url']}/stub/requests").json()["open"] == 0
 
 
 def test_worker_that_dies_at_start_fails_the_run_with_its_log(tmp_path: Path) -> None:
