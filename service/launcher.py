@@ -18,9 +18,11 @@ import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 from sqlalchemy import Engine
@@ -78,6 +80,26 @@ class WorkerHandle:
     def alive(self) -> bool:
         """True while the worker's main process has not exited."""
         return self.process.poll() is None
+
+
+def drain_to_capped_file(pipe: IO[bytes], path: Path, max_bytes: int) -> None:
+    """Copy a worker's output to ``path`` until it closes; past ``max_bytes`` the file
+    moves to ``path.1`` (replacing an older one) and a new one starts, so a chatty
+    worker never fills the disk and never blocks on a full pipe."""
+    out = path.open("ab")
+    try:
+        for chunk in iter(lambda: pipe.read1(64 * 1024), b""):  # type: ignore[attr-defined]
+            if out.tell() + len(chunk) > max_bytes:
+                out.close()
+                os.replace(path, path.with_name(path.name + ".1"))
+                out = path.open("ab")
+            out.write(chunk)
+            out.flush()
+    except (OSError, ValueError):
+        pass
+    finally:
+        out.close()
+        pipe.close()
 
 
 def _free_port(taken: set[int]) -> int:
@@ -192,16 +214,22 @@ class Launcher:
             )
             session.commit()
         log.info("starting worker %s for %s on port %s", worker_id, spec.model, port)
-        with log_path.open("ab") as log_file:
-            process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=str(self.settings.data_dir),
-                start_new_session=True,
-            )
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(self.settings.data_dir),
+            start_new_session=True,
+        )
+        assert process.stdout is not None
+        threading.Thread(
+            target=drain_to_capped_file,
+            args=(process.stdout, log_path, self.settings.worker_log_max_bytes),
+            name=f"log-{worker_id}",
+            daemon=True,
+        ).start()
         self._update(worker_id, pid=process.pid)
         handle = WorkerHandle(
             id=worker_id,

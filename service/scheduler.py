@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 
+import httpx
 from sqlalchemy import Engine
 from sqlmodel import Session
 
@@ -148,12 +149,21 @@ class Scheduler:
             summary = summarize(samples, duration, spec.goodput.model_dump(exclude_none=True))
             store.save_samples(self.engine, run_id, samples)
             ok = [s for s in samples if s.success]
+            if len(ok) < len(samples) and not await self._healthy(handle):
+                # A server that stopped answering is not reused: the next run gets a new one.
+                tail = log_tail(handle.log_path)
+                await self.launcher.stop(handle, status="failed", error="stopped answering")
+                raise WorkerError(
+                    f"vLLM server stopped answering during the run ({len(samples) - len(ok)} "
+                    f"requests failed); last log lines:\n{tail}"
+                )
             if not ok:
                 first_error = next((s.error for s in samples if s.error), "no request succeeded")
                 store.transition(
                     self.engine, run_id, RunStatus.failed, summary=summary,
                     completed=0, failed=len(samples),
-                    error=f"every request failed; first error: {first_error}",
+                    error=f"every request failed; first error: {first_error}\n"
+                    f"last log lines of the vLLM server:\n{log_tail(handle.log_path)}",
                 )
                 return
             store.transition(
@@ -181,6 +191,16 @@ class Scheduler:
                 self.engine, run_id, RunStatus.failed,
                 error=f"internal error: {type(exc).__name__}: {exc}",
             )
+
+    async def _healthy(self, handle: WorkerHandle) -> bool:
+        """True if the worker is alive and answers /health within a few seconds."""
+        if not handle.alive():
+            return False
+        try:
+            response = await self.launcher.client.get(f"{handle.url}/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
 
     async def _drive(
         self, run_id: str, spec: RunSpec, handle: WorkerHandle, samples: list[Sample]

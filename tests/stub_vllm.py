@@ -5,19 +5,26 @@ Same command line (unknown flags are accepted and ignored), answers ``/health``,
 ``STUB_TOKEN_INTERVAL_S`` seconds. It exists where process control is the point;
 the real vLLM server is used where the connector and the metrics are.
 
-Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers),
-``STUB_EXIT_AT_START`` (exit code, before serving).
+Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers;
+``inf`` never), ``STUB_EXIT_AT_START`` (exit code, before serving),
+``STUB_CRASH_AFTER`` (the process dies in the middle of that request's stream),
+``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, /health hangs too),
+``STUB_IGNORE_SIGTERM`` (only SIGKILL stops it), ``STUB_GRANDCHILD`` (spawns a
+long-lived grandchild in its process group; its pid goes to /stub/requests).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import uvicorn
@@ -29,10 +36,16 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
     """The stub's app."""
     app = FastAPI()
     started = time.monotonic()
-    state = {"requests": 0, "open": 0}
+    state: dict[str, Any] = {"requests": 0, "open": 0, "hung": False, "grandchild": None}
+    crash_after = int(os.environ.get("STUB_CRASH_AFTER", "0"))
+    hang_after = int(os.environ.get("STUB_HANG_AFTER_TOKENS", "0"))
+    if os.environ.get("STUB_GRANDCHILD"):
+        state["grandchild"] = subprocess.Popen(["sleep", "3600"]).pid
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state["hung"]:
+            await asyncio.sleep(3600)
         if time.monotonic() - started < startup_delay:
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({})
@@ -42,7 +55,7 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
         return {"object": "list", "data": [{"id": served_name, "object": "model"}]}
 
     @app.get("/stub/requests")
-    async def seen() -> dict[str, int]:
+    async def seen() -> dict[str, Any]:
         return state
 
     @app.post("/v1/completions")
@@ -53,10 +66,19 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
         n_out = int(body.get("max_tokens") or 16)
         n_in = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
 
+        number = state["requests"]
+
         async def stream() -> AsyncIterator[bytes]:
             state["open"] += 1
             try:
                 for i in range(n_out):
+                    if crash_after and number >= crash_after and i == n_out // 2:
+                        print("stub: crashing mid-stream as told", flush=True)
+                        os._exit(17)
+                    if hang_after and i >= hang_after:
+                        state["hung"] = True
+                        print("stub: hanging as told", flush=True)
+                        await asyncio.sleep(3600)
                     await asyncio.sleep(interval)
                     chunk = {"id": "cmpl-stub", "object": "text_completion",
                              "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
@@ -81,6 +103,8 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args, _unknown = parser.parse_known_args()
+    if os.environ.get("STUB_IGNORE_SIGTERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     exit_code = os.environ.get("STUB_EXIT_AT_START")
     if exit_code:
         print("stub: exiting at start as told", flush=True)
@@ -90,7 +114,17 @@ def main() -> None:
         float(os.environ.get("STUB_TOKEN_INTERVAL_S", "0.002")),
         float(os.environ.get("STUB_STARTUP_DELAY_S", "0")),
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = _KeepSignals(config) if os.environ.get("STUB_IGNORE_SIGTERM") else uvicorn.Server(config)
+    server.run()
+
+
+class _KeepSignals(uvicorn.Server):
+    """A server that leaves signal handling alone (so an ignored SIGTERM stays ignored)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 if __name__ == "__main__":

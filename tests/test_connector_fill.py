@@ -150,7 +150,7 @@ def test_random_fill_has_the_asked_mean_and_std(dtype: torch.dtype) -> None:
     assert torch.all(cache[:10] == 0) and torch.all(cache[590:] == 0)
     # Not a constant, and a second fill starts elsewhere in the pool.
     first = cache[10].clone()
-    assert first.unique().numel() > 1000
+    assert first.unique().numel() > 200  # bfloat16 has only about 1,000 values in this range
     fill_block_rows(cache, blocks, 0.015, 0.2, dtype)
     assert not torch.equal(first, cache[10])
 
