@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import IO
 
 import httpx
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 from sqlmodel import Session, col, select
 
+from service.db import write_session
 from service.models import RunSpec, Worker, new_id, utcnow
 from service.settings import Settings
 from service.tinymodel import TINY_MODEL_NAME, ensure_tiny_model
@@ -295,19 +296,15 @@ class Launcher:
         self._update(handle.id, status="failed", stopped_at=utcnow(), error=error)
 
     def _update(self, worker_id: str, **fields: object) -> None:
+        # One UPDATE statement: no read first, so no lock upgrade to lose against another writer.
         with Session(self.engine) as session:
-            worker = session.get(Worker, worker_id)
-            if worker is None:
-                return
-            for name, value in fields.items():
-                setattr(worker, name, value)
-            session.add(worker)
+            session.exec(update(Worker).where(col(Worker.id) == worker_id).values(**fields))
             session.commit()
 
     def reap_orphans(self) -> int:
         """After a crash: stop process groups of workers a previous service left behind."""
         stopped = 0
-        with Session(self.engine) as session:
+        with write_session(self.engine) as session:
             rows = session.exec(
                 select(Worker).where(col(Worker.status).in_(("starting", "ready")))
             ).all()
@@ -320,7 +317,6 @@ class Launcher:
                 worker.stopped_at = utcnow()
                 worker.error = "service restarted; worker stopped"
                 session.add(worker)
-            session.commit()
         return stopped
 
 

@@ -18,8 +18,8 @@ import logging
 import time
 
 import httpx
-from sqlalchemy import Engine
-from sqlmodel import Session
+from sqlalchemy import Engine, update
+from sqlmodel import Session, col
 
 from service import store
 from service.launcher import Launcher, WorkerError, WorkerHandle, log_tail
@@ -31,6 +31,7 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 0.5
+WATCH_EVERY_S = 0.5
 
 
 class Scheduler:
@@ -129,11 +130,12 @@ class Scheduler:
         try:
             handle = await self._worker_for(spec)
             with Session(self.engine) as session:
-                worker = session.get(Worker, handle.id)
-                if worker is not None:
-                    worker.runs_served += 1
-                    session.add(worker)
-                    session.commit()
+                session.exec(
+                    update(Worker)
+                    .where(col(Worker.id) == handle.id)
+                    .values(runs_served=col(Worker.runs_served) + 1)
+                )
+                session.commit()
             # The worker id goes in before the first request: the connector's
             # pull is only answered for runs assigned to the asking worker.
             store.update_fields(self.engine, run_id, worker_id=handle.id)
@@ -202,6 +204,26 @@ class Scheduler:
             return False
         return response.status_code == 200
 
+    async def _watch(self, handle: WorkerHandle, failures: list[int]) -> WorkerError:
+        """Return (never raise) once the worker has died, or stopped answering after a failed
+        request; until then, watch."""
+        checked = 0
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            if not handle.alive():
+                tail = log_tail(handle.log_path)
+                self.launcher.mark_dead(handle, "exited during a run")
+                return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+            if failures[0] > checked:
+                checked = failures[0]
+                if not await self._healthy(handle):
+                    tail = log_tail(handle.log_path)
+                    await self.launcher.stop(handle, status="failed", error="stopped answering")
+                    return WorkerError(
+                        f"vLLM server stopped answering during the run ({checked} requests "
+                        f"failed); last log lines:\n{tail}"
+                    )
+
     async def _drive(
         self, run_id: str, spec: RunSpec, handle: WorkerHandle, samples: list[Sample]
     ) -> float:
@@ -211,18 +233,35 @@ class Scheduler:
             self.settings.request_timeout_s,
         )
         last_flush = time.monotonic()
+        failures = [0]
 
         def on_done(sample: Sample) -> None:
             nonlocal last_flush
             samples.append(sample)
+            if not sample.success:
+                failures[0] += 1
             now = time.monotonic()
             if now - last_flush >= PROGRESS_EVERY_S or len(samples) == spec.num_prompts:
                 last_flush = now
-                ok = sum(s.success for s in samples)
-                store.update_fields(self.engine, run_id, completed=ok, failed=len(samples) - ok)
+                ok = len(samples) - failures[0]
+                store.update_fields(self.engine, run_id, completed=ok, failed=failures[0])
 
-        try:
+        async def load() -> float:
             await generator.warmup(plan)
             return await generator.measure(plan, on_done)
+
+        measure = asyncio.create_task(load())
+        watchdog = asyncio.create_task(self._watch(handle, failures))
+        try:
+            await asyncio.wait({measure, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not measure.done():
+                # The worker died or hung: stop sending, keep what was measured.
+                measure.cancel()
+                await asyncio.gather(measure, return_exceptions=True)
+                raise watchdog.result()
+            return measure.result()
         finally:
+            for task in (measure, watchdog):
+                task.cancel()
+            await asyncio.gather(measure, watchdog, return_exceptions=True)
             await generator.aclose()

@@ -1,0 +1,90 @@
+"""The service as a real process (``python -m service``), for tests that kill it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import STUB_COMMAND
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServiceProcess:
+    """Starts, kills and restarts one service process on one data dir, with stub workers."""
+
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "DECODEBENCH_DATA_DIR": str(data_dir),
+            "DECODEBENCH_PORT": str(self.port),
+            "DECODEBENCH_GPUS": "",
+            "DECODEBENCH_VLLM_COMMAND": STUB_COMMAND,
+            "DECODEBENCH_WORKER_STOP_GRACE_S": "2",
+            "DECODEBENCH_SCHEDULER_POLL_S": "0.1",
+            **(env or {}),
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / "service.log"
+
+    def start(self, timeout: float = 30) -> float:
+        """Start the service and wait until /healthz answers; return how long that took."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=self.env,
+                                         stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            assert self.proc.poll() is None, self.log()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() - started < timeout, "service did not come up"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL the service process alone (its workers live on, as after a real crash)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """A clean shutdown (SIGTERM), if it still runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self) -> str:
+        """The service's output so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

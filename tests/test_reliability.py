@@ -1,0 +1,163 @@
+"""Fault injection: crashed, hung and stubborn vLLM servers, cancels, and concurrent clients.
+
+The stub server (``tests/stub_vllm.py``) fails on purpose, as told by environment
+variables the service passes on to its workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from tests.conftest import make_settings, wait_finished, wait_for
+from tests.service_process import ServiceProcess, pid_alive
+
+SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 10, "max_concurrency": 2}
+
+
+@pytest.fixture
+def faulty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Build a TestClient service whose next worker misbehaves as ``env`` says."""
+    clients: list[TestClient] = []
+
+    def make(env: dict[str, str], **settings: Any) -> TestClient:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        client = TestClient(create_app(make_settings(tmp_path, **settings)))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def test_worker_that_crashes_mid_run_fails_the_run_with_its_log(faulty: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    client = faulty({"STUB_CRASH_AFTER": "3"})
+    run = client.post("/api/runs", json=SMALL).json()
+    started = time.monotonic()
+    done = wait_finished(client, run["id"], timeout=30)
+    detected = time.monotonic() - started
+    assert done["status"] == "failed"
+    assert "exited during the run" in done["error"]
+    assert "stub: crashing mid-stream as told" in done["error"]
+    assert detected < 10
+    # Samples so far are kept; the worker is marked failed and the next run gets a new one.
+    assert client.get(f"/api/runs/{run['id']}/requests").json()
+    monkeypatch.delenv("STUB_CRASH_AFTER")
+    again = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    assert again["status"] == "succeeded"
+    assert again["worker_id"] != done["worker_id"]
+    statuses = {w["id"]: w["status"] for w in client.get("/api/workers").json()}
+    assert statuses[done["worker_id"]] == "failed"
+
+
+def test_worker_that_never_becomes_healthy_fails_at_the_deadline(faulty: Any) -> None:
+    client = faulty({"STUB_STARTUP_DELAY_S": "inf"}, worker_start_timeout_s=3)
+    run = client.post("/api/runs", json=SMALL).json()
+    started = time.monotonic()
+    done = wait_finished(client, run["id"], timeout=30)
+    assert done["status"] == "failed"
+    assert "not healthy after 3 s" in done["error"]
+    assert time.monotonic() - started < 15
+    worker = client.get("/api/workers").json()[0]
+    assert worker["status"] == "failed" and not pid_alive(worker["pid"])
+
+
+def test_worker_that_hangs_fails_the_run_and_is_replaced(faulty: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    client = faulty({"STUB_HANG_AFTER_TOKENS": "3"}, request_timeout_s=2)
+    run = client.post("/api/runs", json=SMALL).json()
+    started = time.monotonic()
+    done = wait_finished(client, run["id"], timeout=60)
+    assert done["status"] == "failed"
+    assert "stopped answering" in done["error"] and "stub: hanging as told" in done["error"]
+    assert time.monotonic() - started < 20
+    monkeypatch.delenv("STUB_HANG_AFTER_TOKENS")
+    again = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    assert again["status"] == "succeeded" and again["worker_id"] != done["worker_id"]
+
+
+def test_cancel_of_a_queued_run_is_immediate_and_others_go_on(faulty: Any) -> None:
+    client = faulty({"STUB_TOKEN_INTERVAL_S": "0.02"})
+    first = client.post("/api/runs", json={**SMALL, "output_len": 20}).json()
+    second = client.post("/api/runs", json=SMALL).json()
+    cancelled = client.post(f"/api/runs/{second['id']}/cancel").json()
+    assert cancelled["status"] == "cancelled"
+    assert wait_finished(client, first["id"])["status"] == "succeeded"
+    assert client.get(f"/api/runs/{second['id']}").json()["status"] == "cancelled"
+    assert client.get(f"/api/runs/{second['id']}/requests").json() == []
+
+
+def test_stopping_a_worker_stops_its_whole_group_even_if_it_ignores_sigterm(
+    faulty: Any,
+) -> None:
+    client = faulty({"STUB_IGNORE_SIGTERM": "1", "STUB_GRANDCHILD": "1"}, worker_stop_grace_s=1)
+    wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    worker = client.get("/api/workers").json()[0]
+    grandchild = httpx.get(f"{worker['url']}/stub/requests").json()["grandchild"]
+    assert pid_alive(worker["pid"]) and pid_alive(grandchild)
+    client.__exit__(None, None, None)  # the service's shutdown
+    assert not pid_alive(worker["pid"])
+    assert not pid_alive(grandchild)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[ServiceProcess]:
+    proc = ServiceProcess(tmp_path / "var", {"STUB_TOKEN_INTERVAL_S": "0.001"})
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def test_concurrent_posts_with_idempotency_keys_create_one_run_per_key(service: ServiceProcess) -> None:
+    body = {"input_len": 8, "output_len": 2, "num_prompts": 1}
+
+    def post(i: int) -> tuple[int, str]:
+        r = httpx.post(f"{service.url}/api/runs", json=body,
+                       headers={"Idempotency-Key": f"key-{i % 50}"}, timeout=60)
+        return r.status_code, r.json()["id"]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(post, range(200)))
+    assert {code for code, _ in results} <= {200, 201}
+    assert sum(code == 201 for code, _ in results) == 50
+    assert len({run_id for _, run_id in results}) == 50
+    assert httpx.get(f"{service.url}/api/runs?limit=500").json()["total"] == 50
+
+
+def test_many_clients_and_the_scheduler_never_hit_a_locked_database(service: ServiceProcess) -> None:
+    def client(i: int) -> list[int]:
+        codes = []
+        with httpx.Client(base_url=service.url, timeout=60) as c:
+            for j in range(15):
+                r = c.post("/api/runs", json={"input_len": 8, "output_len": 2, "num_prompts": 2})
+                codes.append(r.status_code)
+                run_id = r.json()["id"]
+                codes.append(c.get(f"/api/runs/{run_id}").status_code)
+                codes.append(c.get("/api/runs?limit=20").status_code)
+                if j % 3 == 0:
+                    codes.append(c.post(f"/api/runs/{run_id}/cancel").status_code)
+        return codes
+
+    with ThreadPoolExecutor(12) as pool:
+        codes = [code for result in pool.map(client, range(12)) for code in result]
+    assert all(code < 500 for code in codes), sorted(set(codes))
+    assert set(codes) <= {200, 201, 409}
+    runs = httpx.get(f"{service.url}/api/runs?limit=500").json()
+    assert runs["total"] == 12 * 15
+    # The scheduler kept working through it all: every run ends (or is on its way).
+    with httpx.Client(base_url=service.url) as c:
+        wait_for(c, runs["runs"][0]["id"], lambda r: r["status"] in {"succeeded", "cancelled"},
+                 timeout=120)
+    assert "locked" not in service.log()
