@@ -77,6 +77,11 @@ class WorkerHandle:
     log_path: Path
     gpus: list[str] = field(default_factory=list)
     vocab_size: int | None = None
+    # The run using this worker now (one at a time, so runs never disturb each other).
+    busy_run: str | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    # Healthy at least once: until then no run may be placed on it.
+    ready: bool = False
 
     def alive(self) -> bool:
         """True while the worker's main process has not exited."""
@@ -176,13 +181,6 @@ class Launcher:
         argv += list(engine.extra_args)
         return argv, model_path
 
-    def find_reusable(self, key: str) -> WorkerHandle | None:
-        """A live worker serving ``key``, if any."""
-        for handle in self.workers.values():
-            if handle.key == key and handle.alive():
-                return handle
-        return None
-
     async def start(self, spec: RunSpec, gpus: list[str]) -> WorkerHandle:
         """Start a worker for ``spec``'s model and engine and wait until it is healthy."""
         worker_id = new_id("w")
@@ -251,6 +249,7 @@ class Launcher:
             reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
             await self.stop(handle, status="failed", error=reason)
             raise
+        handle.ready = True
         self._update(worker_id, status="ready", ready_at=utcnow())
         log.info("worker %s ready at %s", worker_id, url)
         return handle

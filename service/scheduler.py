@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 
 import httpx
 from sqlalchemy import Engine, update
@@ -31,11 +32,24 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 0.5
+# How many queued runs one pass of the loop looks at.
+PLACE_AHEAD = 64
+
+
+@dataclass
+class Placement:
+    """Where a run goes: an idle worker of its kind, or GPUs for a new worker (after
+    stopping the idle workers in ``evict``)."""
+
+    key: str
+    reuse: WorkerHandle | None = None
+    gpus: list[str] = field(default_factory=list)
+    evict: list[WorkerHandle] = field(default_factory=list)
 WATCH_EVERY_S = 0.5
 
 
 class Scheduler:
-    """Runs queued runs one after another (one worker at a time on a CPU machine)."""
+    """Places queued runs on workers: side by side on disjoint GPUs, one at a time on a CPU."""
 
     def __init__(self, settings: Settings, engine: Engine, launcher: Launcher) -> None:
         self.settings = settings
@@ -45,6 +59,8 @@ class Scheduler:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
         self.loop_task: asyncio.Task[None] | None = None
+        # Runs placed but whose worker is not up yet, with the GPUs they hold.
+        self._starting: dict[str, Placement] = {}
 
     def recover(self) -> None:
         """Fail runs interrupted by a previous crash and stop its orphaned workers."""
@@ -60,11 +76,15 @@ class Scheduler:
         self.loop_task = asyncio.create_task(self.run_forever(), name="decodebench-scheduler")
 
     async def shutdown(self) -> None:
-        """Stop the loop (failing a run in progress) and every worker."""
+        """Stop the loop, fail the runs in progress, and stop every worker."""
         if self.loop_task is not None:
             self.loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.loop_task
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.launcher.stop_all()
 
     def alive(self) -> bool:
@@ -72,7 +92,7 @@ class Scheduler:
         return self.loop_task is not None and not self.loop_task.done()
 
     def notify(self) -> None:
-        """Wake the loop: a run was queued."""
+        """Wake the loop: a run was queued or a slot was freed."""
         self._wakeup.set()
 
     def cancel(self, run_id: str) -> None:
@@ -83,52 +103,116 @@ class Scheduler:
             task.cancel()
 
     async def run_forever(self) -> None:
-        """Take queued runs, oldest first, until cancelled."""
+        """Place queued runs, oldest first, as long as they fit; until cancelled."""
         while True:
-            run = store.next_queued(self.engine)
-            if run is None:
-                self._wakeup.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), self.settings.scheduler_poll_s)
-                continue
-            task = asyncio.create_task(self.execute(run.id, RunSpec.model_validate(run.spec)))
-            self._tasks[run.id] = task
+            self._wakeup.clear()
             try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                if task.done():
-                    continue  # the run was cancelled, not us
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise
-            finally:
-                self._tasks.pop(run.id, None)
-                self._cancelled.discard(run.id)
+                self._place_queued()
+            except Exception:
+                # The loop must outlive any one bad pass (a database hiccup, a bad row).
+                log.exception("scheduler pass failed; trying again")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), self.settings.scheduler_poll_s)
 
-    async def _worker_for(self, spec: RunSpec) -> WorkerHandle:
-        key = spec.worker_key()
+    def _place_queued(self) -> None:
+        """One pass: start every queued run that fits, oldest first."""
+        gpus = self.settings.gpu_ids()
+        for run in store.queued(self.engine, limit=PLACE_AHEAD):
+            if run.id in self._tasks:
+                continue  # placed already; its task has not moved it on yet
+            spec = RunSpec.model_validate(run.spec)
+            if gpus and spec.engine.tensor_parallel_size > len(gpus):
+                # Through ``starting``: the status machine has no queued -> failed edge.
+                store.transition(self.engine, run.id, RunStatus.starting)
+                store.transition(
+                    self.engine, run.id, RunStatus.failed,
+                    error=f"tensor_parallel_size {spec.engine.tensor_parallel_size} needs more "
+                    f"GPUs than this service may use ({len(gpus)}: {','.join(gpus)})",
+                )
+                continue
+            placement = self._place(run.id, spec)
+            if placement is None:
+                break  # first come, first served: later runs wait behind this one
+            task = asyncio.create_task(self._execute_placed(run.id, spec, placement))
+            self._tasks[run.id] = task
+
+    def _reap_dead_workers(self) -> None:
         for handle in list(self.launcher.workers.values()):
-            if not handle.alive():
+            if not handle.alive() and handle.busy_run is None:
                 self.launcher.mark_dead(
                     handle, f"exited with code {handle.process.returncode}; "
                     f"last log lines:\n{log_tail(handle.log_path)}"
                 )
-        reusable = self.launcher.find_reusable(key)
-        if reusable is not None:
-            return reusable
-        # One worker at a time on this machine: make room for the new one.
-        await self.launcher.stop_all()
-        gpus = self.settings.gpu_ids()[: spec.engine.tensor_parallel_size]
-        return await self.launcher.start(spec, gpus)
 
-    async def execute(self, run_id: str, spec: RunSpec) -> None:
-        """Run one queued run to its end state."""
+    def _place(self, run_id: str, spec: RunSpec) -> Placement | None:
+        """Where the run can go now: a free worker of its kind, or GPUs for a new one
+        (stopping idle workers of other kinds to free them); None if it must wait."""
+        self._reap_dead_workers()
+        workers = list(self.launcher.workers.values())
+        same = [h for h in workers if h.key == spec.worker_key()]
+        if same or any(p.key == spec.worker_key() for p in self._starting.values()):
+            idle = [h for h in same if h.busy_run is None and h.ready]
+            if not idle:
+                return None  # runs of one kind share one server, one run at a time
+            idle[0].busy_run = run_id
+            return Placement(key=spec.worker_key(), reuse=idle[0])
+        all_gpus = self.settings.gpu_ids()
+        if not all_gpus:
+            # A CPU machine: one worker at a time, and only when nothing is running.
+            if self._starting or any(h.busy_run or not h.ready for h in workers):
+                return None
+            placement = Placement(key=spec.worker_key(), evict=workers)
+        else:
+            need = spec.engine.tensor_parallel_size
+            held = {g for h in workers for g in h.gpus}
+            held |= {g for p in self._starting.values() for g in p.gpus}
+            free = [g for g in all_gpus if g not in held]
+            evict: list[WorkerHandle] = []
+            for handle in sorted(workers, key=lambda h: h.last_used):
+                if len(free) >= need:
+                    break
+                if handle.ready and handle.busy_run is None:  # idle, not still starting
+                    evict.append(handle)
+                    free += handle.gpus
+            if len(free) < need:
+                return None
+            placement = Placement(key=spec.worker_key(), gpus=sorted(free[:need]), evict=evict)
+        for handle in placement.evict:
+            self.launcher.workers.pop(handle.id, None)  # no longer placeable
+        self._starting[run_id] = placement
+        return placement
+
+    async def _execute_placed(self, run_id: str, spec: RunSpec, placement: Placement) -> None:
+        try:
+            await self.execute(run_id, spec, placement)
+        finally:
+            self._starting.pop(run_id, None)
+            if placement.reuse is not None:
+                placement.reuse.busy_run = None
+            for handle in self.launcher.workers.values():
+                if handle.busy_run == run_id:
+                    handle.busy_run = None
+                    handle.last_used = time.monotonic()
+            self._tasks.pop(run_id, None)
+            self._cancelled.discard(run_id)
+            self.notify()
+
+    async def _worker_for(self, run_id: str, spec: RunSpec, placement: Placement) -> WorkerHandle:
+        if placement.reuse is not None:
+            return placement.reuse
+        for handle in placement.evict:
+            await self.launcher.stop(handle)
+        handle = await self.launcher.start(spec, placement.gpus)
+        handle.busy_run = run_id
+        return handle
+
+    async def execute(self, run_id: str, spec: RunSpec, placement: Placement) -> None:
+        """Run one placed run to its end state."""
         if not store.transition(self.engine, run_id, RunStatus.starting):
             return
         samples: list[Sample] = []
         try:
-            handle = await self._worker_for(spec)
+            handle = await self._worker_for(run_id, spec, placement)
             with Session(self.engine) as session:
                 session.exec(
                     update(Worker)

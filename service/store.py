@@ -170,15 +170,17 @@ def fail_interrupted(engine: Engine) -> int:
     return failed
 
 
-def next_queued(engine: Engine) -> Run | None:
-    """The oldest queued run."""
+def queued(engine: Engine, limit: int) -> list[Run]:
+    """The oldest queued runs, oldest first."""
     with Session(engine) as session:
-        return session.exec(
-            select(Run)
-            .where(Run.status == RunStatus.queued.value)
-            .order_by(col(Run.created_at), col(Run.id))
-            .limit(1)
-        ).first()
+        return list(
+            session.exec(
+                select(Run)
+                .where(Run.status == RunStatus.queued.value)
+                .order_by(col(Run.created_at), col(Run.id))
+                .limit(limit)
+            ).all()
+        )
 
 
 def record_pull(engine: Engine, run_id: str) -> None:

@@ -36,7 +36,8 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
     """The stub's app."""
     app = FastAPI()
     started = time.monotonic()
-    state: dict[str, Any] = {"requests": 0, "open": 0, "hung": False, "grandchild": None}
+    state: dict[str, Any] = {"requests": 0, "open": 0, "hung": False, "grandchild": None,
+                             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     crash_after = int(os.environ.get("STUB_CRASH_AFTER", "0"))
     hang_after = int(os.environ.get("STUB_HANG_AFTER_TOKENS", "0"))
     if os.environ.get("STUB_GRANDCHILD"):

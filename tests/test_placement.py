@@ -1,0 +1,77 @@
+"""GPU placement: workers side by side on disjoint GPUs, runs queued until their GPUs are free.
+
+The stub server stands in for vLLM and reports the CUDA_VISIBLE_DEVICES it was given.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from tests.conftest import make_settings, wait_finished, wait_for
+
+
+def _spec(seqs: int, tp: int = 1) -> dict[str, Any]:
+    return {"input_len": 8, "output_len": 40, "num_prompts": 4, "max_concurrency": 2,
+            "engine": {"tensor_parallel_size": tp, "extra_args": [f"--max-num-seqs={seqs}"]}}
+
+
+@pytest.fixture
+def four_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("STUB_TOKEN_INTERVAL_S", "0.02")
+    with TestClient(create_app(make_settings(tmp_path, gpus="0,1,2,3"))) as client:
+        yield client
+
+
+def test_runs_of_different_engines_run_side_by_side_on_disjoint_gpus(four_gpus: TestClient) -> None:
+    client = four_gpus
+    ids = [client.post("/api/runs", json=_spec(seqs, tp)).json()["id"]
+           for seqs, tp in ((1, 1), (2, 2), (3, 1))]
+    # All three are running at the same time: 1 + 2 + 1 GPUs fit in 4.
+    for run_id in ids:
+        wait_for(client, run_id, lambda r: r["status"] in ("running", "succeeded"))
+    runs = [wait_finished(client, run_id) for run_id in ids]
+    assert all(r["status"] == "succeeded" for r in runs)
+    assert max(r["started_at"] for r in runs) < min(r["finished_at"] for r in runs)
+    workers = {w["id"]: w for w in client.get("/api/workers").json()}
+    gpu_sets = [set(workers[r["worker_id"]]["gpus"].split(",")) for r in runs]
+    assert [len(g) for g in gpu_sets] == [1, 2, 1]
+    assert len(set.union(*gpu_sets)) == 4  # disjoint
+    for run in runs:
+        seen = httpx.get(f"{workers[run['worker_id']]['url']}/stub/requests").json()
+        assert seen["cuda_visible_devices"] == workers[run["worker_id"]]["gpus"]
+
+
+def test_run_that_does_not_fit_waits_for_gpus(four_gpus: TestClient) -> None:
+    client = four_gpus
+    big = [client.post("/api/runs", json=_spec(seqs, 2)).json()["id"] for seqs in (1, 2)]
+    waiting = client.post("/api/runs", json=_spec(3, 1)).json()["id"]
+    wait_for(client, big[0], lambda r: r["status"] == "running")
+    wait_for(client, big[1], lambda r: r["status"] == "running")
+    assert client.get(f"/api/runs/{waiting}").json()["status"] == "queued"
+    done = wait_finished(client, waiting)
+    assert done["status"] == "succeeded"
+    firsts = [wait_finished(client, run_id) for run_id in big]
+    assert done["started_at"] >= min(r["finished_at"] for r in firsts)
+
+
+def test_runs_of_one_engine_share_one_worker_one_at_a_time(four_gpus: TestClient) -> None:
+    client = four_gpus
+    ids = [client.post("/api/runs", json=_spec(1)).json()["id"] for _ in range(3)]
+    runs = [wait_finished(client, run_id) for run_id in ids]
+    assert len({r["worker_id"] for r in runs}) == 1
+    spans = sorted((r["started_at"], r["finished_at"]) for r in runs)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_tensor_parallel_larger_than_the_gpus_fails_with_a_reason(four_gpus: TestClient) -> None:
+    run = four_gpus.post("/api/runs", json=_spec(1, 8)).json()
+    done = wait_finished(four_gpus, run["id"])
+    assert done["status"] == "failed"
+    assert "tensor_parallel_size 8" in done["error"] and "(4: 0,1,2,3)" in done["error"]
