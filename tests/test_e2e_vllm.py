@@ -76,7 +76,9 @@ def _start_vllm(model_dir: Path, log_path: Path, *extra: str) -> tuple[subproces
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", TINY_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--load-format", "dummy", "--enforce-eager",
-            "--gpu-memory-utilization", "0.3", *extra]
+            # 1 GiB of KV cache (a million tokens of the tiny model) is plenty, and leaves room
+            # for the service's own worker next to these two.
+            "--kv-cache-memory-bytes", str(1 << 30), *extra]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
