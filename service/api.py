@@ -15,7 +15,6 @@ from sqlmodel import Session, col, select
 from service import store
 from service.errors import Conflict, Forbidden, NotFound, Unauthorized
 from service.launcher import hash_token
-from service.metrics import Sample as SampleData
 from service.metrics import export_vllm
 from service.models import (
     FINISHED,
@@ -98,18 +97,6 @@ def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
     return RunPublic.of(store.get_run(engine, run.id))
 
 
-def _as_data(rows: list[Any]) -> list[SampleData]:
-    return [
-        SampleData(
-            index=r.index, prompt_len=r.prompt_len, output_tokens=r.output_tokens, ttft=r.ttft,
-            itl=list(r.itl), latency=r.latency, start_time=r.start_time, success=r.success,
-            error=r.error, due_time=r.due_time, sent_time=r.sent_time,
-            generated_text=r.generated_text,
-        )
-        for r in rows
-    ]
-
-
 @router.get("/api/runs/{run_id}/requests", response_model=list[SamplePublic])
 def get_requests(run_id: str, engine: DB) -> list[SamplePublic]:
     """Raw per-request samples of a run (seconds, client clock)."""
@@ -129,7 +116,7 @@ def export_run(
 ) -> JSONResponse | Response:
     """The run as vLLM-bench-compatible JSON, or its samples as CSV."""
     run = store.get_run(engine, run_id)
-    samples = _as_data(store.get_samples(engine, run_id))
+    samples = store.get_sample_data(engine, run_id)
     name = f"decodebench-{run.id}"
     if format == "csv":
         out = io.StringIO()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy import Engine, func, update
@@ -121,24 +122,7 @@ def list_runs(
 def save_samples(engine: Engine, run_id: str, samples: Sequence[SampleData]) -> None:
     """Store raw samples of a run."""
     with Session(engine) as session:
-        session.add_all(
-            Sample(
-                run_id=run_id,
-                index=s.index,
-                prompt_len=s.prompt_len,
-                output_tokens=s.output_tokens,
-                ttft=s.ttft,
-                itl=list(s.itl),
-                latency=s.latency,
-                start_time=s.start_time,
-                due_time=s.due_time,
-                sent_time=s.sent_time,
-                success=s.success,
-                error=s.error,
-                generated_text=s.generated_text,
-            )
-            for s in samples
-        )
+        session.add_all(Sample(run_id=run_id, **asdict(s)) for s in samples)
         session.commit()
 
 
@@ -148,6 +132,13 @@ def get_samples(engine: Engine, run_id: str) -> list[Sample]:
         return list(
             session.exec(select(Sample).where(Sample.run_id == run_id).order_by(col(Sample.index))).all()
         )
+
+
+def get_sample_data(engine: Engine, run_id: str) -> list[SampleData]:
+    """The stored samples of a run as the metrics module's records."""
+    return [
+        SampleData(**row.model_dump(exclude={"id", "run_id"})) for row in get_samples(engine, run_id)
+    ]
 
 
 def fail_interrupted(engine: Engine) -> int:
