@@ -26,6 +26,8 @@ from service.models import (
     RunSpec,
     RunStatus,
     SamplePublic,
+    SweepCreate,
+    SweepPublic,
     Worker,
     WorkerPublic,
 )
@@ -151,6 +153,32 @@ def export_run(
         export_vllm(run.summary, samples, info),
         headers={"Content-Disposition": f'attachment; filename="{name}.json"'},
     )
+
+
+def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
+    """A sweep with its runs and how far they got."""
+    sweep, runs = store.get_sweep(engine, sweep_id)
+    progress = {status.value: 0 for status in RunStatus}
+    for run in runs:
+        progress[run.status] += 1
+    progress["total"] = len(runs)
+    progress["finished"] = sum(progress[s.value] for s in FINISHED)
+    return SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
+                       progress=progress, runs=[RunPublic.of(r) for r in runs])
+
+
+@router.post("/api/sweeps", status_code=201, response_model=SweepPublic)
+def submit_sweep(body: SweepCreate, engine: DB, scheduler: Sched) -> SweepPublic:
+    """Queue one run per point of a grid over a base spec."""
+    sweep = store.create_sweep(engine, body)
+    scheduler.notify()
+    return sweep_public(engine, sweep.id)
+
+
+@router.get("/api/sweeps/{sweep_id}", response_model=SweepPublic)
+def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
+    """A sweep: its grid, progress and runs."""
+    return sweep_public(engine, sweep_id)
 
 
 @router.get("/api/workers", response_model=list[WorkerPublic])

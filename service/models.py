@@ -6,6 +6,7 @@ with its state, and a public shape the API returns.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -227,6 +228,16 @@ class Run(SQLModel, table=True):
     error: str | None = None
     idempotency_key: str | None = SQLField(default=None, unique=True)
     request_hash: str | None = None
+    sweep_id: str | None = SQLField(default=None, index=True)
+
+
+class Sweep(SQLModel, table=True):
+    """A grid of runs over one base spec, kept together."""
+
+    id: str = SQLField(primary_key=True)
+    base: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    grid: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    created_at: datetime = SQLField(default_factory=utcnow, index=True)
 
 
 class Sample(SQLModel, table=True):
@@ -357,6 +368,65 @@ class WorkerPublic(BaseModel):
     stopped_at: datetime | None
     error: str | None
     log_path: str
+
+
+MAX_SWEEP_RUNS = 256
+# Fields a sweep may vary; dotted names reach into nested specs.
+SWEEP_KEYS = ("input_len", "output_len", "max_concurrency", "request_rate", "mode", "fill.mean",
+              "fill.std")
+
+
+class SweepCreate(Strict):
+    """A base spec and the values to sweep; one run per point of the grid."""
+
+    base: RunSpec = Field(default_factory=RunSpec)
+    grid: dict[str, list[Any]] = Field(min_length=1)
+
+    @field_validator("grid")
+    @classmethod
+    def _grid(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        size = 1
+        for key, values in grid.items():
+            if key not in SWEEP_KEYS:
+                raise ValueError(f"cannot sweep {key!r}; sweepable: {', '.join(SWEEP_KEYS)}")
+            if not values:
+                raise ValueError(f"grid {key!r} has no values")
+            if len(set(map(repr, values))) != len(values):
+                raise ValueError(f"grid {key!r} repeats a value")
+            size *= len(values)
+        if size > MAX_SWEEP_RUNS:
+            raise ValueError(f"the grid makes {size} runs, more than the cap of {MAX_SWEEP_RUNS}")
+        return grid
+
+    def points(self) -> list[tuple[dict[str, Any], RunSpec]]:
+        """Every grid point with its full spec; a point that is not a valid spec is a ValueError."""
+        keys = list(self.grid)
+        out = []
+        for combo in itertools.product(*(self.grid[k] for k in keys)):
+            point = dict(zip(keys, combo, strict=True))
+            data = self.base.model_dump()
+            for key, value in point.items():
+                target = data
+                *parents, leaf = key.split(".")
+                for parent in parents:
+                    target = target[parent]
+                target[leaf] = value
+            try:
+                out.append((point, RunSpec.model_validate(data)))
+            except ValueError as exc:
+                raise ValueError(f"grid point {point} is not a valid run: {exc}") from exc
+        return out
+
+
+class SweepPublic(BaseModel):
+    """A sweep as the API returns it."""
+
+    id: str
+    base: dict[str, Any]
+    grid: dict[str, Any]
+    created_at: datetime
+    progress: dict[str, int]
+    runs: list[RunPublic]
 
 
 REPORT_COUNTERS = (

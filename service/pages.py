@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from service import store
-from service.api import DB
+from service.api import DB, sweep_public
 from service.models import RunStatus, connector_totals
 
 router = APIRouter()
@@ -81,4 +81,21 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
             "latencies": LATENCIES,
             "stats": STATS,
         },
+    )
+
+
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
+    """One sweep: its grid and every run's headline numbers."""
+    sweep = sweep_public(engine, sweep_id)
+    keys = list(sweep.grid)
+
+    def value(spec: dict[str, Any], key: str) -> Any:
+        for part in key.split("."):
+            spec = spec[part]
+        return spec
+
+    rows = [({k: value(r.spec, k) for k in keys}, r) for r in sweep.runs]
+    return templates.TemplateResponse(
+        request, "sweep.html", {"sweep": sweep, "keys": keys, "rows": rows}
     )

@@ -26,6 +26,8 @@ from service.models import (
     RunSpec,
     RunStatus,
     Sample,
+    Sweep,
+    SweepCreate,
     new_id,
     sources_of,
     utcnow,
@@ -203,3 +205,32 @@ def record_report(
             session.add(run)
             stored += 1
     return stored
+
+
+def create_sweep(engine: Engine, body: SweepCreate) -> Sweep:
+    """Insert a sweep and one queued run per grid point, all or nothing."""
+    try:
+        points = body.points()
+    except ValueError as exc:
+        raise Invalid(str(exc)) from exc
+    sweep = Sweep(id=new_id("s"), base=body.base.model_dump(), grid=body.grid)
+    with write_session(engine) as session:
+        session.add(sweep)
+        for _, spec in points:
+            session.add(
+                Run(id=new_id("r"), spec=spec.model_dump(), model=spec.model,
+                    total=spec.num_prompts, sweep_id=sweep.id)
+            )
+    return sweep
+
+
+def get_sweep(engine: Engine, sweep_id: str) -> tuple[Sweep, list[Run]]:
+    """A sweep and its runs, in grid order; or NotFound."""
+    with Session(engine) as session:
+        sweep = session.get(Sweep, sweep_id)
+        if sweep is None:
+            raise NotFound(f"sweep {sweep_id!r} not found")
+        runs = session.exec(
+            select(Run).where(Run.sweep_id == sweep_id).order_by(col(Run.created_at), col(Run.id))
+        ).all()
+        return sweep, list(runs)

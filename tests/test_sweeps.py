@@ -1,0 +1,56 @@
+"""Sweeps: one run per grid point, kept together, validated as a whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.conftest import wait_finished
+
+BASE = {"input_len": 16, "output_len": 4, "num_prompts": 2, "max_concurrency": 2}
+
+
+def test_sweep_makes_one_run_per_point_and_they_share_a_worker(client: TestClient) -> None:
+    body = {"base": BASE, "grid": {"input_len": [8, 32], "max_concurrency": [1, 2],
+                                   "fill.mean": [0.1, 0.9]}}
+    response = client.post("/api/sweeps", json=body)
+    assert response.status_code == 201, response.text
+    sweep = response.json()
+    assert sweep["progress"]["total"] == 8
+    points = {(r["spec"]["input_len"], r["spec"]["max_concurrency"], r["spec"]["fill"]["mean"])
+              for r in sweep["runs"]}
+    assert points == {(i, c, m) for i in (8, 32) for c in (1, 2) for m in (0.1, 0.9)}
+    done = [wait_finished(client, r["id"]) for r in sweep["runs"]]
+    assert all(r["status"] == "succeeded" for r in done)
+    assert len({r["worker_id"] for r in done}) == 1
+    again = client.get(f"/api/sweeps/{sweep['id']}").json()
+    assert again["progress"]["finished"] == again["progress"]["succeeded"] == 8
+    page = client.get(f"/sweeps/{sweep['id']}")
+    assert page.status_code == 200 and page.text.count("/runs/r-") == 8
+
+
+@pytest.mark.parametrize(
+    ("grid", "needle"),
+    [
+        ({"seed": [1, 2]}, "cannot sweep 'seed'"),
+        ({"input_len": []}, "no values"),
+        ({"input_len": [8, 8]}, "repeats"),
+        ({"input_len": list(range(1, 20)), "output_len": list(range(1, 20))}, "cap of 256"),
+        ({"input_len": [8, -1]}, "grid point {'input_len': -1}"),
+        ({"mode": ["fill", "magic"]}, "grid point {'mode': 'magic'}"),
+        ({}, "grid"),
+    ],
+)
+def test_bad_grid_is_422_and_creates_nothing(client: TestClient, grid: dict[str, Any],
+                                             needle: str) -> None:
+    response = client.post("/api/sweeps", json={"base": BASE, "grid": grid})
+    assert response.status_code == 422, response.text
+    assert needle in str(response.json()["detail"])
+    assert client.get("/api/runs").json()["total"] == 0
+
+
+def test_unknown_sweep_is_404(client: TestClient) -> None:
+    assert client.get("/api/sweeps/s-nope").status_code == 404
+    assert client.get("/sweeps/s-nope").status_code == 404
