@@ -6,7 +6,9 @@ PIP := $(VENV)/bin/pip
 # GPU extra when an NVIDIA driver answers, CPU extra otherwise.
 EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup setup-dev run test lint bench clean
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup setup-dev browser run test lint bench clean
 
 setup: $(VENV)/.installed-$(EXTRA)
 
@@ -25,6 +27,10 @@ $(VENV)/.installed-dev: pyproject.toml
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
+# Debian's Chromium for the browser tests (a test tool's own browser download fails offline).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+
 run: setup
 	$(PY) -m service
 
@@ -32,7 +38,7 @@ lint: setup-dev
 	$(VENV)/bin/ruff check service connector tests benchmarks
 	$(VENV)/bin/mypy
 
-test: setup-dev lint
+test: setup-dev browser lint
 	$(PY) -m pytest -x -q
 
 bench: setup

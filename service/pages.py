@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
-from service import store
+from service import charts, store
 from service.api import DB, sweep_public
 from service.models import RunStatus, connector_totals
 
@@ -70,10 +70,23 @@ def index(
 def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
     """One run: its spec, status, and every summary number."""
     run = store.get_run(engine, run_id)
+    samples = [s for s in store.get_sample_data(engine, run_id) if s.success]
+    origin = min((s.start_time for s in samples), default=0.0)
+    tpots = [t * 1000 for s in samples if (t := s.tpot()) is not None]
+    chart_list = [
+        charts.histogram(tpots, "TPOT per request", "TPOT (ms)", "requests"),
+        charts.histogram([g * 1000 for s in samples for g in s.itl], "Inter-token latency",
+                         "ITL (ms)", "gaps"),
+        charts.scatter([(s.start_time - origin, s.ttft * 1000) for s in samples],
+                       "TTFT over the run", "request start (s)", "TTFT (ms)"),
+    ]
+    worker = store.get_worker(engine, run.worker_id) if run.worker_id else None
     return templates.TemplateResponse(
         request,
         "run.html",
         {
+            "charts": chart_list,
+            "worker": worker,
             "run": run,
             "summary": run.summary or {},
             "connector": connector_totals((run.connector or {}).get("ranks", {})),
@@ -96,6 +109,65 @@ def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
         return spec
 
     rows = [({k: value(r.spec, k) for k in keys}, r) for r in sweep.runs]
+    done = [r for r in sweep.runs if r.summary and r.status == "succeeded"]
+
+    def by(label: str, x: str, y: str, mode: str | None = None) -> dict[str, list[tuple[float, float]]]:
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in done:
+            if mode is not None and r.spec["mode"] != mode:
+                continue
+            name = f"{label}={r.spec[label] if r.spec[label] is not None else 'inf'}"
+            assert r.summary is not None
+            series.setdefault(name, []).append((float(r.spec[x]), float(r.summary[y])))
+        return series
+
+    chart_list = [
+        charts.lines(by("max_concurrency", "input_len", "median_tpot_ms", "fill"),
+                     "Median TPOT against input length (fill runs)", "input_len (tokens)", "ms"),
+        charts.lines(by("max_concurrency", "input_len", "p99_tpot_ms", "fill"),
+                     "p99 TPOT against input length (fill runs)", "input_len (tokens)", "ms"),
+        charts.lines(
+            {k: v for k, v in by("input_len", "max_concurrency", "output_throughput").items()
+             if all(x > 0 for x, _ in v)},
+            "Output throughput against concurrency", "max_concurrency", "tokens/s"),
+    ]
+    # Fill and real-prefill runs of the same point, side by side.
+    pairs = []
+    if "mode" in keys:
+        others = [k for k in keys if k != "mode"]
+        fills = {tuple(p[k] for k in others): r for p, r in rows if p["mode"] == "fill"}
+        for point, run in rows:
+            twin = fills.get(tuple(point[k] for k in others))
+            if point["mode"] == "prefill" and twin is not None:
+                pairs.append(({k: point[k] for k in others}, twin, run))
     return templates.TemplateResponse(
-        request, "sweep.html", {"sweep": sweep, "keys": keys, "rows": rows}
+        request, "sweep.html",
+        {"sweep": sweep, "keys": keys, "rows": rows, "charts": chart_list, "pairs": pairs},
     )
+
+
+COMPARE_KEYS = [
+    "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+    "p99_itl_ms", "median_e2el_ms", "output_throughput", "request_throughput",
+    "total_token_throughput", "completed", "failed", "duration",
+]
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare_page(
+    request: Request, engine: DB, ids: Annotated[str, Query(min_length=1, max_length=2000)]
+) -> HTMLResponse:
+    """Chosen runs side by side, metric by metric, with the change against the first."""
+    run_ids = [i for i in (part.strip() for part in ids.split(",")) if i][:12]
+    runs = [store.get_run(engine, run_id) for run_id in run_ids]
+    table = []
+    for key in COMPARE_KEYS:
+        values = [(r.summary or {}).get(key) for r in runs]
+        first = values[0]
+        deltas = [
+            (v / first - 1) * 100 if isinstance(v, (int, float)) and isinstance(first, (int, float))
+            and first else None
+            for v in values
+        ]
+        table.append((key, values, deltas))
+    return templates.TemplateResponse(request, "compare.html", {"runs": runs, "table": table})

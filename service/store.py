@@ -28,6 +28,7 @@ from service.models import (
     Sample,
     Sweep,
     SweepCreate,
+    Worker,
     new_id,
     sources_of,
     utcnow,
@@ -234,3 +235,9 @@ def get_sweep(engine: Engine, sweep_id: str) -> tuple[Sweep, list[Run]]:
             select(Run).where(Run.sweep_id == sweep_id).order_by(col(Run.created_at), col(Run.id))
         ).all()
         return sweep, list(runs)
+
+
+def get_worker(engine: Engine, worker_id: str) -> Worker | None:
+    """One worker row, if it exists."""
+    with Session(engine) as session:
+        return session.get(Worker, worker_id)

@@ -1,0 +1,131 @@
+"""Small server-rendered SVG charts: no JavaScript library, no network, nothing to vendor.
+
+Each function returns an ``<svg>`` element as ``Markup`` for the templates; every
+label is escaped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from html import escape
+
+from markupsafe import Markup
+
+W, H = 560, 260
+LEFT, RIGHT, TOP, BOTTOM = 56, 16, 28, 40
+PALETTE = ("#3b6fd8", "#d8743b", "#3ba55d", "#a83bd8", "#d83b5e", "#3bb6d8", "#8a8f3b", "#555")
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        hi = lo + 1.0
+    step = 10 ** math.floor(math.log10((hi - lo) / n))
+    for mult in (1, 2, 5, 10):
+        if (hi - lo) / (step * mult) <= n:
+            step *= mult
+            break
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step) + 1)]
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+
+
+class _Frame:
+    def __init__(self, title: str, xlabel: str, ylabel: str, x: tuple[float, float],
+                 y: tuple[float, float]) -> None:
+        self.x0, self.x1 = x if x[1] > x[0] else (x[0], x[0] + 1)
+        self.y0, self.y1 = y if y[1] > y[0] else (y[0], y[0] + 1)
+        self.parts = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {W} {H}" '
+            f'width="{W}" height="{H}" role="img" aria-label="{escape(title)}">',
+            f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" '
+            f'font-weight="600">{escape(title)}</text>',
+        ]
+        for t in _ticks(self.y0, self.y1):
+            py = self.py(t)
+            self.parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py:.1f}" y2="{py:.1f}" '
+                              'stroke="#e3e6ee"/>')
+            self.parts.append(f'<text x="{LEFT - 6}" y="{py + 4:.1f}" text-anchor="end" '
+                              f'font-size="10">{_fmt(t)}</text>')
+        for t in _ticks(self.x0, self.x1):
+            px = self.px(t)
+            self.parts.append(f'<text x="{px:.1f}" y="{H - BOTTOM + 14}" text-anchor="middle" '
+                              f'font-size="10">{_fmt(t)}</text>')
+        self.parts.append(f'<text x="{W / 2}" y="{H - 6}" text-anchor="middle" '
+                          f'font-size="11">{escape(xlabel)}</text>')
+        self.parts.append(f'<text x="12" y="{H / 2}" text-anchor="middle" font-size="11" '
+                          f'transform="rotate(-90 12 {H / 2})">{escape(ylabel)}</text>')
+
+    def px(self, x: float) -> float:
+        return LEFT + (x - self.x0) / (self.x1 - self.x0) * (W - LEFT - RIGHT)
+
+    def py(self, y: float) -> float:
+        return H - BOTTOM - (y - self.y0) / (self.y1 - self.y0) * (H - TOP - BOTTOM)
+
+    def done(self) -> Markup:
+        return Markup("".join([*self.parts, "</svg>"]))
+
+
+def histogram(values: Sequence[float], title: str, xlabel: str, ylabel: str = "count",
+              bins: int = 30) -> Markup:
+    """Counts of ``values`` in equal-width bins."""
+    if not values:
+        return empty(title)
+    lo, hi = min(values), max(values)
+    width = (hi - lo) / bins or 1.0
+    counts = [0] * bins
+    for v in values:
+        counts[min(bins - 1, int((v - lo) / width))] += 1
+    frame = _Frame(title, xlabel, ylabel, (lo, lo + width * bins), (0, max(counts)))
+    for i, c in enumerate(counts):
+        x, x2 = frame.px(lo + i * width), frame.px(lo + (i + 1) * width)
+        y = frame.py(c)
+        frame.parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(0.5, x2 - x - 1):.1f}" '
+                           f'height="{frame.py(0) - y:.1f}" fill="{PALETTE[0]}"/>')
+    return frame.done()
+
+
+def scatter(points: Sequence[tuple[float, float]], title: str, xlabel: str, ylabel: str) -> Markup:
+    """One dot per point."""
+    if not points:
+        return empty(title)
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    frame = _Frame(title, xlabel, ylabel, (min(xs), max(xs)), (0, max(ys)))
+    for x, y in points:
+        frame.parts.append(f'<circle cx="{frame.px(x):.1f}" cy="{frame.py(y):.1f}" r="2.5" '
+                           f'fill="{PALETTE[0]}" fill-opacity="0.7"/>')
+    return frame.done()
+
+
+def lines(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str,
+          ylabel: str) -> Markup:
+    """One line (with dots) per named series, with a legend."""
+    pts = [p for s in series.values() for p in s]
+    if not pts:
+        return empty(title)
+    # Headroom above the highest point keeps the legend clear of the lines.
+    frame = _Frame(title, xlabel, ylabel, (min(p[0] for p in pts), max(p[0] for p in pts)),
+                   (0, max(p[1] for p in pts) * 1.3))
+    for i, (name, points) in enumerate(series.items()):
+        color = PALETTE[i % len(PALETTE)]
+        path = " ".join(f"{frame.px(x):.1f},{frame.py(y):.1f}" for x, y in sorted(points))
+        frame.parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" '
+                           'stroke-width="2"/>')
+        for x, y in points:
+            frame.parts.append(f'<circle cx="{frame.px(x):.1f}" cy="{frame.py(y):.1f}" r="3" '
+                               f'fill="{color}"/>')
+        frame.parts.append(f'<text x="{W - RIGHT - 4}" y="{TOP + 12 + 13 * i}" text-anchor="end" '
+                           f'font-size="10" fill="{color}">{escape(name)}</text>')
+    return frame.done()
+
+
+def empty(title: str) -> Markup:
+    """A placeholder when there is nothing to draw."""
+    return Markup(
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart empty" viewBox="0 0 {W} 60" '
+        f'width="{W}" height="60"><text x="{W / 2}" y="34" text-anchor="middle" font-size="12" '
+        f'fill="#888">{escape(title)}: no data yet</text></svg>'
+    )

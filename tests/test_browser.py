@@ -1,0 +1,74 @@
+"""The pages in a real browser (Debian's Chromium, headless): charts drawn, no console errors.
+
+``make test`` installs Chromium; screenshots go to ``var/screenshots/``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service_process import REPO, ServiceProcess
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--enable-logging=stderr", "--v=0"]
+SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 6, "max_concurrency": 3}
+
+
+def _browse(url: str, profile: Path, *extra: str) -> tuple[str, str]:
+    """(DOM or nothing, browser log) after loading ``url``."""
+    result = subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *extra, url],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    return result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    service = ServiceProcess(tmp_path_factory.mktemp("browser") / "var")
+    service.start()
+    try:
+        with httpx.Client(base_url=service.url, timeout=30) as c:
+            run = c.post("/api/runs", json=SMALL).json()["id"]
+            sweep = c.post("/api/sweeps", json={"base": SMALL, "grid": {
+                "input_len": [8, 32], "max_concurrency": [1, 2], "mode": ["fill", "prefill"]}}).json()
+            ids = [run] + [r["id"] for r in sweep["runs"]]
+            deadline = 120
+            for run_id in ids:
+                for _ in range(deadline * 10):
+                    if c.get(f"/api/runs/{run_id}").json()["status"] == "succeeded":
+                        break
+                    subprocess.run(["sleep", "0.1"], check=True)
+        yield {"index": f"{service.url}/", "run": f"{service.url}/runs/{run}",
+               "sweep": f"{service.url}/sweeps/{sweep['id']}",
+               "compare": f"{service.url}/compare?ids={ids[1]},{ids[2]}"}
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize(("page", "charts"), [("index", 0), ("run", 3), ("sweep", 3), ("compare", 0)])
+def test_page_renders_in_chromium_with_charts_and_no_console_output(
+    pages: dict[str, str], tmp_path: Path, page: str, charts: int
+) -> None:
+    dom, log = _browse(pages[page], tmp_path / "profile", "--dump-dom")
+    drawn = re.findall(r'<svg[^>]*class="chart"[^>]*>(.*?)</svg>', dom, flags=re.S)
+    assert len(drawn) == charts
+    for svg in drawn:
+        assert re.search(r"<(rect|circle|polyline)\b", svg), "a chart was left empty"
+    console = [line for line in log.splitlines() if ":CONSOLE" in line]
+    assert console == [], console
+    assert "decodebench" in dom
+    shots = REPO / "var" / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
+    _browse(pages[page], tmp_path / "profile2", f"--screenshot={shots / page}.png",
+            "--window-size=1280,1800")
+    assert (shots / f"{page}.png").stat().st_size > 10_000

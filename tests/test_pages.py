@@ -1,0 +1,67 @@
+"""Pages: charts drawn from stored samples, sweep curves, comparisons, escaping."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi.testclient import TestClient
+
+from tests.conftest import wait_finished
+
+SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 6, "max_concurrency": 3}
+
+
+def _svgs(html: str) -> list[str]:
+    return re.findall(r"<svg[^>]*class=\"chart\".*?</svg>", html, flags=re.S)
+
+
+def test_run_page_draws_histograms_and_ttft_over_time(client: TestClient) -> None:
+    run = client.post("/api/runs", json=SMALL).json()
+    wait_finished(client, run["id"])
+    html = client.get(f"/runs/{run['id']}").text
+    charts = _svgs(html)
+    assert len(charts) == 3
+    assert all("<rect" in c for c in charts[:2])  # histogram bars
+    assert charts[2].count("<circle") == 6  # one dot per request
+    assert "vLLM server" in html and "none (CPU)" in html
+
+
+def test_run_page_before_any_sample_says_so(client: TestClient) -> None:
+    run = client.post("/api/runs", json={**SMALL, "num_prompts": 1}).json()
+    client.post(f"/api/runs/{run['id']}/cancel")
+    html = client.get(f"/runs/{run['id']}").text
+    assert "no data yet" in html
+
+
+def test_sweep_page_draws_curves_and_pairs_fill_with_prefill(client: TestClient) -> None:
+    body = {"base": SMALL, "grid": {"input_len": [8, 32], "max_concurrency": [1, 2],
+                                    "mode": ["fill", "prefill"]}}
+    sweep = client.post("/api/sweeps", json=body).json()
+    for r in sweep["runs"]:
+        wait_finished(client, r["id"])
+    html = client.get(f"/sweeps/{sweep['id']}").text
+    charts = _svgs(html)
+    assert len(charts) == 3
+    # One line per concurrency on the TPOT charts, one per input length on throughput.
+    assert charts[0].count("<polyline") == 2 and "max_concurrency=1" in charts[0]
+    assert charts[2].count("<polyline") == 2 and "input_len=32" in charts[2]
+    pairs = html.split('id="pairs"')[1].split("</table>")[0]
+    assert pairs.count("side by side") == 4
+    assert re.search(r"\d+\.\d\dx", pairs)
+
+
+def test_compare_shows_runs_side_by_side_with_differences(client: TestClient) -> None:
+    ids = [client.post("/api/runs", json={**SMALL, "output_len": n}).json()["id"] for n in (4, 12)]
+    for run_id in ids:
+        wait_finished(client, run_id)
+    html = client.get(f"/compare?ids={ids[0]},{ids[1]}").text
+    assert ids[0] in html and ids[1] in html
+    assert "median_tpot_ms" in html and "%)" in html
+    assert client.get("/compare?ids=r-nope").status_code == 404
+
+
+def test_user_strings_are_escaped_on_pages(client: TestClient) -> None:
+    hostile = "<script>alert(1)</script>"
+    html = client.get("/", params={"model": hostile}).text
+    assert hostile not in html
+    assert "&lt;script&gt;" in html
