@@ -93,7 +93,7 @@ def scatter(points: Sequence[tuple[float, float]], title: str, xlabel: str, ylab
     if not points:
         return empty(title)
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    frame = _Frame(title, xlabel, ylabel, (min(xs), max(xs)), (0, max(ys)))
+    frame = _Frame(title, xlabel, ylabel, (min(xs), max(xs)), (0, max(ys) * 1.1))
     for x, y in points:
         frame.parts.append(f'<circle cx="{frame.px(x):.1f}" cy="{frame.py(y):.1f}" r="2.5" '
                            f'fill="{PALETTE[0]}" fill-opacity="0.7"/>')
