@@ -163,6 +163,7 @@ def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
         progress[run.status] += 1
     progress["total"] = len(runs)
     progress["finished"] = sum(progress[s.value] for s in FINISHED)
+    progress["infeasible"] = sum(bool(r.error and r.error.startswith("infeasible")) for r in runs)
     return SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
                        progress=progress, runs=[RunPublic.of(r) for r in runs])
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 # ever stop process groups this service started.
 WORKER_ENV = "DECODEBENCH_WORKER_ID"
 LOG_TAIL_LINES = 40
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,6 +84,8 @@ class WorkerHandle:
     last_used: float = field(default_factory=time.monotonic)
     # Healthy at least once: until then no run may be placed on it.
     ready: bool = False
+    # Tokens the server's KV cache holds, as it reports on /metrics (None if it does not say).
+    kv_tokens: int | None = None
 
     def alive(self) -> bool:
         """True while the worker's main process has not exited."""
@@ -250,9 +254,25 @@ class Launcher:
             await self.stop(handle, status="failed", error=reason)
             raise
         handle.ready = True
-        self._update(worker_id, status="ready", ready_at=utcnow())
+        handle.kv_tokens = await self._kv_capacity(handle)
+        self._update(worker_id, status="ready", ready_at=utcnow(), kv_tokens=handle.kv_tokens)
         log.info("worker %s ready at %s", worker_id, url)
         return handle
+
+    async def _kv_capacity(self, handle: WorkerHandle) -> int | None:
+        """KV cache size in tokens from vLLM's ``cache_config_info`` metric, if it is there."""
+        try:
+            text = (await self.client.get(f"{handle.url}/metrics", timeout=10.0)).text
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("vllm:cache_config_info{"):
+                labels = dict(_LABEL.findall(line))
+                try:
+                    return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+                except (KeyError, ValueError):
+                    return None
+        return None
 
     async def _wait_healthy(self, handle: WorkerHandle) -> None:
         deadline = time.monotonic() + self.settings.worker_start_timeout_s

@@ -167,6 +167,12 @@ class RunSpec(Strict):
             )
         return self
 
+    def longest_request_tokens(self) -> int:
+        """KV cache tokens the longest request of this run needs (prompt plus output)."""
+        return math.floor(self.input_len * (1 + self.range_ratio)) + math.floor(
+            self.output_len * (1 + self.range_ratio)
+        )
+
     def worker_key(self) -> str:
         """Runs with equal keys can share one vLLM server."""
         return json.dumps(
@@ -273,6 +279,7 @@ class Worker(SQLModel, table=True):
     token_hash: str = SQLField(index=True)
     log_path: str
     gpus: str = ""
+    kv_tokens: int | None = None
     runs_served: int = 0
     created_at: datetime = SQLField(default_factory=utcnow)
     ready_at: datetime | None = None
@@ -362,6 +369,7 @@ class WorkerPublic(BaseModel):
     pid: int | None
     status: str
     gpus: str
+    kv_tokens: int | None
     runs_served: int
     created_at: datetime
     ready_at: datetime | None

@@ -62,6 +62,7 @@ def index(
             "status": status.value if status else "",
             "model": model or "",
             "statuses": [s.value for s in RunStatus],
+            "sweeps": store.list_sweeps(engine, 10) if page == 1 else [],
         },
     )
 

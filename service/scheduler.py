@@ -223,6 +223,14 @@ class Scheduler:
             # The worker id goes in before the first request: the connector's
             # pull is only answered for runs assigned to the asking worker.
             store.update_fields(self.engine, run_id, worker_id=handle.id)
+            needed = spec.longest_request_tokens()
+            if handle.kv_tokens is not None and needed > handle.kv_tokens:
+                store.transition(
+                    self.engine, run_id, RunStatus.failed,
+                    error=f"infeasible: one request needs {needed} tokens of KV cache and this "
+                    f"server holds {handle.kv_tokens}; not run",
+                )
+                return
             if not store.transition(
                 self.engine, run_id, RunStatus.running, started_at=utcnow()
             ):

@@ -241,3 +241,20 @@ def get_worker(engine: Engine, worker_id: str) -> Worker | None:
     """One worker row, if it exists."""
     with Session(engine) as session:
         return session.get(Worker, worker_id)
+
+
+def list_sweeps(engine: Engine, limit: int) -> list[tuple[Sweep, dict[str, int]]]:
+    """The newest sweeps with counts of their runs by status."""
+    with Session(engine) as session:
+        sweeps = session.exec(
+            select(Sweep).order_by(col(Sweep.created_at).desc()).limit(limit)
+        ).all()
+        out = []
+        for sweep in sweeps:
+            rows = session.exec(
+                select(Run.status, func.count()).where(Run.sweep_id == sweep.id).group_by(Run.status)
+            ).all()
+            counts = {status: int(n) for status, n in rows}
+            counts["total"] = sum(counts.values())
+            out.append((sweep, counts))
+        return out

@@ -29,7 +29,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
 def build_app(served_name: str, interval: float, startup_delay: float) -> FastAPI:
@@ -54,6 +54,13 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": served_name, "object": "model"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        blocks = os.environ.get("STUB_KV_BLOCKS", "100000")
+        return PlainTextResponse(
+            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n'
+        )
 
     @app.get("/stub/requests")
     async def seen() -> dict[str, Any]:

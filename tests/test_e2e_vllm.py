@@ -173,6 +173,7 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert second["connector"]["pulls"] == 1
     workers = service.get("/api/workers").json()
     assert [w["status"] for w in workers] == ["ready"]
+    assert workers[0]["kv_tokens"] > 100_000  # read from the server's cache_config_info
     assert workers[0]["runs_served"] == 2
 
     page = service.get(f"/runs/{first['id']}")

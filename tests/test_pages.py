@@ -65,3 +65,11 @@ def test_user_strings_are_escaped_on_pages(client: TestClient) -> None:
     html = client.get("/", params={"model": hostile}).text
     assert hostile not in html
     assert "&lt;script&gt;" in html
+
+
+def test_index_has_the_submit_form_and_lists_sweeps(client: TestClient) -> None:
+    html = client.get("/").text
+    assert 'id="submit-form"' in html and 'name="input_len"' in html and 'name="grid"' in html
+    sweep = client.post("/api/sweeps", json={"base": SMALL, "grid": {"output_len": [2, 3]}}).json()
+    html = client.get("/").text
+    assert f'href="/sweeps/{sweep["id"]}"' in html

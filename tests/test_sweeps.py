@@ -54,3 +54,20 @@ def test_bad_grid_is_422_and_creates_nothing(client: TestClient, grid: dict[str,
 def test_unknown_sweep_is_404(client: TestClient) -> None:
     assert client.get("/api/sweeps/s-nope").status_code == 404
     assert client.get("/sweeps/s-nope").status_code == 404
+
+
+def test_points_that_do_not_fit_the_kv_cache_are_marked_infeasible(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STUB_KV_BLOCKS", "100")  # 1,600 tokens
+    body = {"base": BASE, "grid": {"input_len": [64, 4096]}}
+    sweep = client.post("/api/sweeps", json=body).json()
+    small, big = (wait_finished(client, r["id"]) for r in sweep["runs"])
+    assert small["status"] == "succeeded"
+    assert big["status"] == "failed"
+    assert big["error"].startswith("infeasible: one request needs 4100 tokens")
+    assert client.get(f"/api/runs/{big['id']}/requests").json() == []
+    again = client.get(f"/api/sweeps/{sweep['id']}").json()
+    assert again["progress"]["infeasible"] == 1
+    assert "infeasible" in client.get(f"/sweeps/{sweep['id']}").text
+    assert client.get("/api/workers").json()[0]["kv_tokens"] == 1600
