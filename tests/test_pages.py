@@ -73,3 +73,21 @@ def test_index_has_the_submit_form_and_lists_sweeps(client: TestClient) -> None:
     sweep = client.post("/api/sweeps", json={"base": SMALL, "grid": {"output_len": [2, 3]}}).json()
     html = client.get("/").text
     assert f'href="/sweeps/{sweep["id"]}"' in html
+
+
+def test_index_pages_through_ten_thousand_runs(client: TestClient) -> None:
+    from sqlalchemy import insert
+
+    from service.models import Run, RunSpec
+
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    spec = RunSpec().model_dump()
+    rows = [{"id": f"r-bulk{i:05d}", "spec": spec, "model": "decodebench-tiny", "status": "succeeded",
+             "total": 64} for i in range(10_000)]
+    with engine.begin() as conn:
+        conn.execute(insert(Run), rows)
+    first = client.get("/?status=succeeded").text
+    assert "10000 runs" in first and "page 1 of 200" in first
+    last = client.get("/?status=succeeded&page=200").text
+    assert last.count('href="/runs/r-bulk') == 50
+    assert client.get("/api/runs?limit=500&offset=9900").json()["total"] == 10_000
