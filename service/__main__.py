@@ -4,17 +4,33 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 
 import uvicorn
 
 from service.app import create_app
 from service.settings import Settings
 
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def refuse_open_bind(settings: Settings) -> str | None:
+    """Why the service must not start with these settings, or None."""
+    if settings.host not in LOOPBACK and not settings.api_token:
+        return (
+            f"refusing to listen on {settings.host}: beyond this machine the service needs a token "
+            "you chose. Set DECODEBENCH_API_TOKEN, or keep DECODEBENCH_HOST=127.0.0.1."
+        )
+    return None
+
 
 def main() -> None:
     """Start the service on the configured host and port."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
+    problem = refuse_open_bind(settings)
+    if problem:
+        sys.exit(f"decodebench: {problem}")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     token_path = settings.data_dir / "api-token"
     settings.resolve_api_token()

@@ -13,6 +13,7 @@ from sqlalchemy import Engine, func, text
 from sqlmodel import Session, col, select
 
 from service import store
+from service.auth import require_admin, require_reader
 from service.errors import Conflict, Forbidden, NotFound, Unauthorized
 from service.launcher import hash_token
 from service.metrics import export_vllm
@@ -34,6 +35,8 @@ from service.models import (
 from service.scheduler import Scheduler
 
 router = APIRouter()
+ADMIN = [Depends(require_admin)]
+READ = [Depends(require_reader)]
 
 
 def get_engine(request: Request) -> Engine:
@@ -52,7 +55,7 @@ DB = Annotated[Engine, Depends(get_engine)]
 Sched = Annotated[Scheduler, Depends(get_scheduler)]
 
 
-@router.post("/api/runs", status_code=201, response_model=RunPublic)
+@router.post("/api/runs", status_code=201, response_model=RunPublic, dependencies=ADMIN)
 def submit_run(
     spec: RunSpec,
     engine: DB,
@@ -67,7 +70,7 @@ def submit_run(
     return JSONResponse(RunPublic.of(run).model_dump(mode="json"), status_code=200)
 
 
-@router.get("/api/runs", response_model=RunList)
+@router.get("/api/runs", response_model=RunList, dependencies=READ)
 def list_runs(
     engine: DB,
     status: RunStatus | None = None,
@@ -80,13 +83,13 @@ def list_runs(
     return RunList(runs=[RunPublic.of(r) for r in runs], total=total, limit=limit, offset=offset)
 
 
-@router.get("/api/runs/{run_id}", response_model=RunPublic)
+@router.get("/api/runs/{run_id}", response_model=RunPublic, dependencies=READ)
 def get_run(run_id: str, engine: DB) -> RunPublic:
     """One run: spec, status, progress, summary, error."""
     return RunPublic.of(store.get_run(engine, run_id))
 
 
-@router.post("/api/runs/{run_id}/cancel", response_model=RunPublic)
+@router.post("/api/runs/{run_id}/cancel", response_model=RunPublic, dependencies=ADMIN)
 def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
     """Cancel a queued or running run; 409 if it already finished."""
     run = store.get_run(engine, run_id)
@@ -99,7 +102,7 @@ def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
     return RunPublic.of(store.get_run(engine, run.id))
 
 
-@router.get("/api/runs/{run_id}/requests", response_model=list[SamplePublic])
+@router.get("/api/runs/{run_id}/requests", response_model=list[SamplePublic], dependencies=READ)
 def get_requests(run_id: str, engine: DB) -> list[SamplePublic]:
     """Raw per-request samples of a run (seconds, client clock)."""
     store.get_run(engine, run_id)
@@ -112,7 +115,7 @@ CSV_FIELDS = [
 ]
 
 
-@router.get("/api/runs/{run_id}/export", response_model=None)
+@router.get("/api/runs/{run_id}/export", response_model=None, dependencies=READ)
 def export_run(
     run_id: str, engine: DB, format: Literal["vllm", "csv"] = "vllm"
 ) -> JSONResponse | Response:
@@ -168,7 +171,7 @@ def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
                        progress=progress, runs=[RunPublic.of(r) for r in runs])
 
 
-@router.post("/api/sweeps", status_code=201, response_model=SweepPublic)
+@router.post("/api/sweeps", status_code=201, response_model=SweepPublic, dependencies=ADMIN)
 def submit_sweep(body: SweepCreate, engine: DB, scheduler: Sched) -> SweepPublic:
     """Queue one run per point of a grid over a base spec."""
     sweep = store.create_sweep(engine, body)
@@ -176,13 +179,13 @@ def submit_sweep(body: SweepCreate, engine: DB, scheduler: Sched) -> SweepPublic
     return sweep_public(engine, sweep.id)
 
 
-@router.get("/api/sweeps/{sweep_id}", response_model=SweepPublic)
+@router.get("/api/sweeps/{sweep_id}", response_model=SweepPublic, dependencies=READ)
 def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
     """A sweep: its grid, progress and runs."""
     return sweep_public(engine, sweep_id)
 
 
-@router.get("/api/workers", response_model=list[WorkerPublic])
+@router.get("/api/workers", response_model=list[WorkerPublic], dependencies=READ)
 def list_workers(engine: DB) -> list[WorkerPublic]:
     """vLLM servers the service started, newest first."""
     with Session(engine) as session:
@@ -253,7 +256,7 @@ def healthz(engine: DB, scheduler: Sched) -> JSONResponse:
     return JSONResponse({"status": "ok" if ok else "unavailable", **checks}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse, dependencies=READ)
 def prometheus_metrics(engine: DB, scheduler: Sched) -> str:
     """Prometheus metrics of the service."""
     with Session(engine) as session:

@@ -66,5 +66,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return await call_next(request)
 
     app.include_router(api.router)
+    app.include_router(pages.login_router)
     app.include_router(pages.router)
     return app

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -50,6 +51,12 @@ class Forbidden(ServiceError):
     status = 403
 
 
+class LoginRequired(ServiceError):
+    """A page asked for without credentials: the browser is sent to the login page."""
+
+    status = 303
+
+
 class TooLarge(ServiceError):
     """Request body over the size limit."""
 
@@ -68,6 +75,10 @@ def _json_safe(errors: Any) -> Any:
         err = dict(err)
         if "ctx" in err:
             err["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
+        if "input" in err:
+            # Echo what was sent as short text: it may not even be JSON (NaN, huge strings).
+            text = repr(err["input"])
+            err["input"] = text if len(text) <= 200 else text[:200] + "..."
         err.pop("url", None)
         safe.append(err)
     return safe
@@ -75,6 +86,11 @@ def _json_safe(errors: Any) -> Any:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Map service errors and validation errors to the one error shape."""
+
+    @app.exception_handler(LoginRequired)
+    async def _login(request: Request, _exc: LoginRequired) -> RedirectResponse:
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return RedirectResponse(f"/login?{urlencode({'next': target})}", status_code=303)
 
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:

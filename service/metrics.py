@@ -1,11 +1,22 @@
 """Per-request samples and the run summary, with the definitions of ``vllm bench serve``.
 
-Only successful requests enter the latency statistics and token counts. TPOT is
-``(latency - ttft) / (output_tokens - 1)`` for requests with more than one output
-token; ITL pools every gap between streamed chunks of every request. Statistics
-are numpy's: population std, linear-interpolated percentiles, and an empty
-metric is 0. Times are kept in seconds and reported in milliseconds under
-vLLM's key names (``mean_ttft_ms``, ``p99_itl_ms``, ...).
+The numbers follow ``calculate_metrics`` in vLLM's ``benchmarks/serve.py`` and the
+result JSON it saves:
+
+- Only successful requests enter the token counts, the latency statistics and the
+  peaks; failed ones are only counted in ``failed``.
+- TPOT is ``(latency - ttft) / (output_tokens - 1)``, for requests with more than
+  one output token. ITL pools every gap between streamed chunks of every request.
+- Statistics are numpy's over seconds, reported in milliseconds: mean, median,
+  population std, linear-interpolated percentiles; a metric with no values is 0.
+- Goodput counts requests meeting every given SLO (``value <= slo``), with the
+  TPOT of a single-token request taken as 0; without SLOs it is None, as in the
+  result file of vLLM.
+- ``max_output_tokens_per_s`` and ``max_concurrent_requests`` come from one-second
+  buckets counted from the earliest start of a successful request: a token lands at
+  ``start + ttft + itl[0] + ... + itl[k]``, a request is active in every bucket from
+  the one holding its start to the one holding ``start + latency``. Each is the
+  maximum over the buckets on its own (not the concurrency at the token peak).
 """
 
 from __future__ import annotations
@@ -13,12 +24,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
 
 import numpy as np
 
 PERCENTILES: tuple[float, ...] = (50, 90, 95, 99)
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+SLO_KEYS: tuple[str, ...] = ("ttft_ms", "tpot_ms", "e2el_ms")
+LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+
+Summary = dict[str, float | int | None]
 
 
 @dataclass
@@ -39,57 +53,70 @@ class Sample:
     generated_text: str = field(default="", repr=False)
 
     def counted_output_tokens(self) -> int:
-        """Output tokens as vLLM counts them: the server's usage, else one per streamed chunk."""
+        """Output tokens as counted for the summary: the server's usage, else one per streamed chunk."""
+        if not self.success:
+            return 0
         if self.output_tokens:
             return self.output_tokens
-        return len(self.itl) + 1 if self.success else 0
+        # Without usage, vLLM re-tokenizes the text; we have no tokenizer, and with
+        # one token per chunk (vLLM's server streams that way) the count is the same.
+        return len(self.itl) + 1
 
     def tpot(self) -> float | None:
-        """Time per output token after the first, or None for a single-token output."""
+        """Time per output token after the first, or None when there is at most one."""
         n = self.counted_output_tokens()
         if n <= 1:
             return None
         return (self.latency - self.ttft) / (n - 1)
 
 
-def _percentile_key(p: float) -> str:
-    return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
+def percentile_key(p: float) -> str:
+    """vLLM's name for a percentile: ``p99`` for 99 or 99.0, ``p99.9`` for 99.9."""
+    return f"p{int(p)}" if int(p) == p else f"p{p}"
 
 
-def _stats(name: str, values: list[float], percentiles: Sequence[float]) -> dict[str, float]:
-    data = np.asarray(values if values else [0.0], dtype=np.float64)
+def _stats(name: str, values: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
+    data = np.asarray(values, dtype=np.float64) if values else np.zeros(1)
     out = {
         f"mean_{name}_ms": float(np.mean(data)) * 1000,
         f"median_{name}_ms": float(np.median(data)) * 1000,
         f"std_{name}_ms": float(np.std(data)) * 1000,
     }
     for p in percentiles:
-        out[f"{_percentile_key(p)}_{name}_ms"] = float(np.percentile(data, p)) * 1000
+        out[f"{percentile_key(p)}_{name}_ms"] = float(np.percentile(data, p)) * 1000
     return out
 
 
-def _peaks(ok: Sequence[Sample]) -> tuple[float, int]:
-    """Most output tokens in one wall-clock second, and most requests active in one second.
+def _is_good(sample: Sample, slos_s: Mapping[str, float]) -> bool:
+    measured = {
+        "ttft_ms": sample.ttft,
+        "tpot_ms": sample.tpot() or 0.0,
+        "e2el_ms": sample.latency,
+    }
+    return all(measured[key] <= limit for key, limit in slos_s.items())
 
-    Seconds are counted from the earliest start among successful requests; a
-    token lands at start + ttft + the running sum of its request's ITLs.
-    """
+
+def _peaks(ok: Sequence[Sample]) -> tuple[float, int]:
     if not ok:
         return 0.0, 0
     origin = min(s.start_time for s in ok)
-    end = max(s.start_time + s.latency for s in ok)
-    buckets = math.ceil(end - origin) + 1
+    buckets = math.ceil(max(s.start_time + s.latency for s in ok) - origin) + 1
     tokens = np.zeros(buckets)
-    active = np.zeros(buckets)
+    active = np.zeros(buckets, dtype=np.int64)
     for s in ok:
-        times = s.start_time + s.ttft + np.concatenate(([0.0], np.cumsum(s.itl)))
-        idx = (times - origin).astype(np.int64)
-        idx = idx[(idx >= 0) & (idx < buckets)]
-        np.add.at(tokens, idx, 1)
+        # Add the gaps one by one from the first token's time, in vLLM's order, so
+        # that a token right on a second boundary falls into the same bucket.
+        times = np.cumsum(np.array([s.start_time + s.ttft, *s.itl], dtype=np.float64))
+        seconds = (times - origin).astype(np.int64)
+        np.add.at(tokens, seconds[(seconds >= 0) & (seconds < buckets)], 1)
         first = int(s.start_time - origin)
         last = int(s.start_time + s.latency - origin)
         active[first : last + 1] += 1
     return float(tokens.max()), int(active.max())
+
+
+def _per_second(count: float, duration: float) -> float:
+    return count / duration if duration > 0 else 0.0
 
 
 def summarize(
@@ -97,100 +124,104 @@ def summarize(
     duration: float,
     goodput: Mapping[str, float] | None = None,
     percentiles: Sequence[float] = PERCENTILES,
-) -> dict[str, Any]:
+) -> Summary:
     """The run summary under vLLM's key names; ``goodput`` holds SLOs in ms (``ttft_ms``, ...)."""
+    slos = dict(goodput or {})
+    unknown = set(slos) - set(SLO_KEYS)
+    if unknown:
+        raise ValueError(f"unknown SLO keys {sorted(unknown)}; known: {list(SLO_KEYS)}")
+    # vLLM compares in seconds against the SLO divided by 1000; so do we, to agree on ties.
+    slos_s = {key: limit / 1000 for key, limit in slos.items()}
+
     ok = [s for s in samples if s.success]
-    out_tokens = [s.counted_output_tokens() for s in ok]
     total_input = sum(s.prompt_len for s in ok)
-    total_output = sum(out_tokens)
-    ttfts = [s.ttft for s in ok]
-    e2els = [s.latency for s in ok]
-    tpots = [t for s in ok if (t := s.tpot()) is not None]
-    itls = [gap for s in ok for gap in s.itl]
-    dur = duration if duration > 0 else float("nan")
-
-    good = 0
-    slos = {k: v for k, v in (goodput or {}).items() if v is not None}
-    if slos:
-        for s in ok:
-            # A single-token request has TPOT 0 for goodput, as in vLLM.
-            measured = {"ttft_ms": s.ttft, "tpot_ms": s.tpot() or 0.0, "e2el_ms": s.latency}
-            if all(measured[k] * 1000 <= limit for k, limit in slos.items()):
-                good += 1
-
+    total_output = sum(s.counted_output_tokens() for s in ok)
+    good = sum(_is_good(s, slos_s) for s in ok)
     peak_tokens, peak_active = _peaks(ok)
-    summary: dict[str, Any] = {
+
+    summary: Summary = {
+        "duration": duration,
         "completed": len(ok),
         "failed": len(samples) - len(ok),
-        "duration": duration,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
-        "request_throughput": _ratio(len(ok), dur),
-        "request_goodput": _ratio(good, dur) if slos else None,
-        "output_throughput": _ratio(total_output, dur),
-        "total_token_throughput": _ratio(total_input + total_output, dur),
+        "request_throughput": _per_second(len(ok), duration),
+        "request_goodput": _per_second(good, duration) if slos else None,
+        "output_throughput": _per_second(total_output, duration),
+        "total_token_throughput": _per_second(total_input + total_output, duration),
         "max_output_tokens_per_s": peak_tokens,
         "max_concurrent_requests": peak_active,
     }
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
-        summary.update(_stats(name, values, percentiles))
+    values: dict[str, list[float]] = {
+        "ttft": [s.ttft for s in ok],
+        "tpot": [t for s in ok if (t := s.tpot()) is not None],
+        "itl": [gap for s in ok for gap in s.itl],
+        "e2el": [s.latency for s in ok],
+    }
+    for name in LATENCY_METRICS:
+        summary.update(_stats(name, values[name], percentiles))
     return summary
 
 
-def _ratio(count: float, duration: float) -> float:
-    value = count / duration
-    return 0.0 if math.isnan(value) else value
+def _request_rate(value: object) -> object:
+    if value is None or (isinstance(value, float) and math.isinf(value)):
+        return "inf"
+    return value
 
 
 def export_vllm(
-    summary: Mapping[str, Any], samples: Sequence[Sample], info: Mapping[str, Any]
-) -> dict[str, Any]:
-    """A result dict with the keys ``vllm bench serve --save-result --save-detailed`` writes.
+    summary: Mapping[str, object], samples: Sequence[Sample], spec_info: Mapping[str, object]
+) -> dict[str, object]:
+    """The dict ``vllm bench serve --save-result --save-detailed`` would write for this run.
 
-    ``info`` describes the run: ``model``, ``num_prompts``, ``request_rate`` (None for
-    all at once), ``burstiness``, ``max_concurrency``, ``date`` (``%Y%m%d-%H%M%S``),
-    and ``label``.
+    ``spec_info`` describes the run: ``model`` (model_id), ``tokenizer`` (default: the
+    model), ``backend`` (default ``"openai"``, vLLM's name for a completions client),
+    ``label``, ``num_prompts``, ``request_rate`` (None or inf: ``"inf"``),
+    ``burstiness`` (default 1.0), ``max_concurrency``, ``date`` (``%Y%m%d-%H%M%S``,
+    default now) and ``metadata`` (a mapping merged in, like ``--metadata KEY=VALUE``).
+    Per-request lists are in request index order; ``queue_times`` is the wait between
+    the scheduled time and the POST (0 where no schedule time was kept).
     """
     ordered = sorted(samples, key=lambda s: s.index)
-    rate = info.get("request_rate")
-    result: dict[str, Any] = {
-        "date": info.get("date"),
-        # Our client speaks the OpenAI completions API, like vLLM's "openai" backend.
-        "endpoint_type": "openai",
-        "backend": "openai",
-        "label": info.get("label"),
-        "model_id": info.get("model"),
-        "tokenizer_id": info.get("model"),
-        "num_prompts": info.get("num_prompts"),
-        "request_rate": "inf" if rate is None else rate,
-        "burstiness": info.get("burstiness", 1.0),
-        "max_concurrency": info.get("max_concurrency"),
-        "duration": summary.get("duration"),
-        "completed": summary.get("completed"),
-        "failed": summary.get("failed"),
-        "total_input_tokens": summary.get("total_input_tokens"),
-        "total_output_tokens": summary.get("total_output_tokens"),
-        "request_throughput": summary.get("request_throughput"),
-        "request_goodput": summary.get("request_goodput"),
-        "output_throughput": summary.get("output_throughput"),
-        "total_token_throughput": summary.get("total_token_throughput"),
-        "max_output_tokens_per_s": summary.get("max_output_tokens_per_s"),
-        "max_concurrent_requests": summary.get("max_concurrent_requests"),
-        "rtfx": 0.0,
+    backend = spec_info.get("backend", "openai")
+    result: dict[str, object] = {
+        "date": spec_info.get("date") or datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": backend,
+        "backend": backend,
+        "label": spec_info.get("label"),
+        "model_id": spec_info.get("model"),
+        "tokenizer_id": spec_info.get("tokenizer", spec_info.get("model")),
+        "num_prompts": spec_info.get("num_prompts", len(ordered)),
+    }
+    metadata = spec_info.get("metadata")
+    if isinstance(metadata, Mapping):
+        result.update({str(k): v for k, v in metadata.items()})
+    result.update({
+        "request_rate": _request_rate(spec_info.get("request_rate")),
+        "burstiness": spec_info.get("burstiness", 1.0),
+        "max_concurrency": spec_info.get("max_concurrency"),
+    })
+    for key in (
+        "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+    ):
+        result[key] = summary.get(key)
+    result.update({
         "input_lens": [s.prompt_len for s in ordered],
-        "output_lens": [s.counted_output_tokens() if s.success else 0 for s in ordered],
+        "output_lens": [s.counted_output_tokens() for s in ordered],
         "ttfts": [s.ttft for s in ordered],
         "itls": [list(s.itl) for s in ordered],
         "latencies": [s.latency for s in ordered],
         "start_times": [s.start_time for s in ordered],
-        # Time a request waited on the client for a concurrency slot.
         "queue_times": [
             s.start_time - s.due_time if s.due_time is not None else 0.0 for s in ordered
         ],
         "generated_texts": [s.generated_text for s in ordered],
         "errors": [s.error for s in ordered],
-    }
-    for key, value in summary.items():
-        if key.endswith("_ms"):
-            result[key] = value
+        "max_output_tokens_per_s": summary.get("max_output_tokens_per_s"),
+        "max_concurrent_requests": summary.get("max_concurrent_requests"),
+        # Real-time factor of audio benchmarks; always 0 for text, as in vLLM.
+        "rtfx": 0.0,
+    })
+    result.update({k: v for k, v in summary.items() if k.endswith("_ms")})
     return result

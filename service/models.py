@@ -45,9 +45,9 @@ def new_id(prefix: str) -> str:
 
 
 class Strict(BaseModel):
-    """Unknown fields are a 422, not silently dropped."""
+    """Unknown fields are a 422, not silently dropped; no coercion ("5" or true is not 5)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class FillSpec(Strict):

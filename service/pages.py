@@ -5,15 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import HTMLResponse
+from fastapi import APIRouter, Depends, Form, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
 from service import charts, store
 from service.api import DB, sweep_public
+from service.auth import COOKIE, is_admin, require_page_reader
 from service.models import RunStatus, connector_totals
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_page_reader)])
+# The login page itself is open.
+login_router = APIRouter()
 templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 PAGE_SIZE = 50
@@ -172,3 +175,30 @@ def compare_page(
         ]
         table.append((key, values, deltas))
     return templates.TemplateResponse(request, "compare.html", {"runs": runs, "table": table})
+
+
+def _safe_next(target: str) -> str:
+    # Only paths on this site: never an open redirect.
+    return target if target.startswith("/") and not target.startswith("//") else "/"
+
+
+@login_router.get("/login", response_class=HTMLResponse)
+def login_form(request: Request, next: Annotated[str, Query(max_length=2000)] = "/") -> HTMLResponse:
+    """Ask for the API token."""
+    return templates.TemplateResponse(request, "login.html", {"next": _safe_next(next), "error": ""})
+
+
+@login_router.post("/login", response_model=None)
+def login(
+    request: Request,
+    token: Annotated[str, Form(max_length=512)],
+    next: Annotated[str, Form(max_length=2000)] = "/",
+) -> HTMLResponse | RedirectResponse:
+    """Check the API token and keep it in a same-site, HTTP-only cookie."""
+    if not is_admin(request, token):
+        return templates.TemplateResponse(
+            request, "login.html", {"next": _safe_next(next), "error": "wrong token"}, status_code=401
+        )
+    response = RedirectResponse(_safe_next(next), status_code=303)
+    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", max_age=30 * 24 * 3600)
+    return response

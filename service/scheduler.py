@@ -300,15 +300,23 @@ class Scheduler:
         """Return (never raise) once the worker has died, or stopped answering after a failed
         request; until then, watch."""
         checked = 0
+
+        def exited() -> WorkerError:
+            tail = log_tail(handle.log_path)
+            self.launcher.mark_dead(handle, "exited during a run")
+            return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
             if not handle.alive():
-                tail = log_tail(handle.log_path)
-                self.launcher.mark_dead(handle, "exited during a run")
-                return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+                return exited()
             if failures[0] > checked:
                 checked = failures[0]
                 if not await self._healthy(handle):
+                    # A dying server refuses connections a moment before it is reaped.
+                    await asyncio.sleep(WATCH_EVERY_S)
+                    if not handle.alive():
+                        return exited()
                     tail = log_tail(handle.log_path)
                     await self.launcher.stop(handle, status="failed", error="stopped answering")
                     return WorkerError(

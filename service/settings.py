@@ -21,6 +21,8 @@ class Settings(BaseSettings):
     port: int = 8000
     data_dir: Path = Path("./var")
     api_token: str | None = None
+    # Let anyone who can reach the service read runs and pages without the token.
+    public_read: bool = False
     # Comma-separated GPU ids; None means "all visible", empty means none.
     gpus: str | None = None
     vllm_command: str | None = None

@@ -18,6 +18,8 @@ from service.settings import Settings
 TESTS = Path(__file__).resolve().parent
 STUB_COMMAND = f"{shlex.quote(sys.executable)} {shlex.quote(str(TESTS / 'stub_vllm.py'))}"
 FINISHED = {"succeeded", "failed", "cancelled"}
+API_TOKEN = "test-api-token"
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
@@ -29,15 +31,21 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "worker_start_timeout_s": 60,
         "worker_stop_grace_s": 5,
         "scheduler_poll_s": 0.1,
+        "api_token": API_TOKEN,
     }
     values.update(overrides)
     return Settings(**values)
 
 
+def make_client(tmp_path: Path, **overrides: Any) -> TestClient:
+    """A TestClient (not yet entered) that sends the API token, on a fresh service."""
+    return TestClient(create_app(make_settings(tmp_path, **overrides)), headers=AUTH)
+
+
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
     """A TestClient on a fresh service (lifespan running) whose workers are stubs."""
-    with TestClient(create_app(make_settings(tmp_path))) as c:
+    with make_client(tmp_path) as c:
         yield c
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import STUB_COMMAND
+from tests.conftest import API_TOKEN, AUTH, STUB_COMMAND
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,6 +47,7 @@ class ServiceProcess:
             "DECODEBENCH_VLLM_COMMAND": STUB_COMMAND,
             "DECODEBENCH_WORKER_STOP_GRACE_S": "2",
             "DECODEBENCH_SCHEDULER_POLL_S": "0.1",
+            "DECODEBENCH_API_TOKEN": API_TOKEN,
             **(env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
@@ -68,6 +69,10 @@ class ServiceProcess:
                 pass
             assert time.monotonic() - started < timeout, "service did not come up"
             time.sleep(0.05)
+
+    def client(self) -> httpx.Client:
+        """An HTTP client for this service that sends the API token."""
+        return httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
 
     def kill(self) -> None:
         """SIGKILL the service process alone (its workers live on, as after a real crash)."""

@@ -11,7 +11,6 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.service_process import REPO, ServiceProcess
@@ -34,10 +33,12 @@ def _browse(url: str, profile: Path, *extra: str) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    service = ServiceProcess(tmp_path_factory.mktemp("browser") / "var")
+    # Pages open to readers, as a team dashboard would run; writes still need the token.
+    service = ServiceProcess(tmp_path_factory.mktemp("browser") / "var",
+                             {"DECODEBENCH_PUBLIC_READ": "1"})
     service.start()
     try:
-        with httpx.Client(base_url=service.url, timeout=30) as c:
+        with service.client() as c:
             run = c.post("/api/runs", json=SMALL).json()["id"]
             sweep = c.post("/api/sweeps", json={"base": SMALL, "grid": {
                 "input_len": [8, 32], "max_concurrency": [1, 2], "mode": ["fill", "prefill"]}}).json()

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from tests.conftest import AUTH
 from tests.service_process import ServiceProcess, pid_alive
 
 TRIALS = 10
@@ -24,7 +25,7 @@ SLOW = {"input_len": 16, "output_len": 60, "num_prompts": 6, "max_concurrency": 
 
 
 def _runs(url: str) -> dict[str, dict[str, Any]]:
-    body = httpx.get(f"{url}/api/runs?limit=500", timeout=30).json()
+    body = httpx.get(f"{url}/api/runs?limit=500", headers=AUTH, timeout=30).json()
     return {r["id"]: r for r in body["runs"]}
 
 
@@ -48,14 +49,14 @@ def test_service_killed_ten_times_loses_nothing_and_leaves_no_orphans(tmp_path: 
     try:
         for trial in range(TRIALS):
             for _ in range(2):
-                r = httpx.post(f"{service.url}/api/runs", json=SLOW, timeout=30)
+                r = httpx.post(f"{service.url}/api/runs", json=SLOW, headers=AUTH, timeout=30)
                 assert r.status_code == 201
                 submitted.add(r.json()["id"])
             # Even trials die while a worker is starting, odd ones while a run is running.
             target = "starting" if trial % 2 == 0 else "running"
             _wait(service.url, lambda runs, t=target: any(r["status"] == t for r in runs.values()))
             before = _runs(service.url)
-            workers = httpx.get(f"{service.url}/api/workers", timeout=30).json()
+            workers = httpx.get(f"{service.url}/api/workers", headers=AUTH, timeout=30).json()
             pids = [w["pid"] for w in workers if w["pid"] and w["status"] in ("starting", "ready")]
             service.kill()
             interrupted = {i: r["status"] for i, r in before.items()

@@ -24,7 +24,7 @@ import pytest
 from service.loadgen import make_plan
 from service.models import RunSpec
 from service.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
-from tests.conftest import wait_finished, wait_for
+from tests.conftest import API_TOKEN, AUTH, wait_finished, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -42,13 +42,13 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     data_dir = tmp_path_factory.mktemp("e2e") / "var"
     port = _free_port()
     env = {**os.environ, "DECODEBENCH_DATA_DIR": str(data_dir), "DECODEBENCH_PORT": str(port),
-           "DECODEBENCH_GPUS": ""}
+           "DECODEBENCH_GPUS": "", "DECODEBENCH_API_TOKEN": API_TOKEN}
     env.pop("DECODEBENCH_VLLM_COMMAND", None)
     log_path = data_dir.parent / "service.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=30)
     try:
         deadline = time.monotonic() + 60
         while True:

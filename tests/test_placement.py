@@ -13,8 +13,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from tests.conftest import make_settings, wait_finished, wait_for
+from tests.conftest import make_client, wait_finished, wait_for
 
 
 def _spec(seqs: int, tp: int = 1) -> dict[str, Any]:
@@ -25,7 +24,7 @@ def _spec(seqs: int, tp: int = 1) -> dict[str, Any]:
 @pytest.fixture
 def four_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("STUB_TOKEN_INTERVAL_S", "0.02")
-    with TestClient(create_app(make_settings(tmp_path, gpus="0,1,2,3"))) as client:
+    with make_client(tmp_path, gpus="0,1,2,3") as client:
         yield client
 
 

@@ -16,8 +16,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from tests.conftest import make_settings, wait_finished, wait_for
+from tests.conftest import AUTH, make_client, wait_finished, wait_for
 from tests.service_process import ServiceProcess, pid_alive
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 10, "max_concurrency": 2}
@@ -31,7 +30,7 @@ def faulty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     def make(env: dict[str, str], **settings: Any) -> TestClient:
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        client = TestClient(create_app(make_settings(tmp_path, **settings)))
+        client = make_client(tmp_path, **settings)
         client.__enter__()
         clients.append(client)
         return client
@@ -125,7 +124,7 @@ def test_concurrent_posts_with_idempotency_keys_create_one_run_per_key(service: 
 
     def post(i: int) -> tuple[int, str]:
         r = httpx.post(f"{service.url}/api/runs", json=body,
-                       headers={"Idempotency-Key": f"key-{i % 50}"}, timeout=60)
+                       headers={"Idempotency-Key": f"key-{i % 50}", **AUTH}, timeout=60)
         return r.status_code, r.json()["id"]
 
     with ThreadPoolExecutor(32) as pool:
@@ -133,13 +132,13 @@ def test_concurrent_posts_with_idempotency_keys_create_one_run_per_key(service: 
     assert {code for code, _ in results} <= {200, 201}
     assert sum(code == 201 for code, _ in results) == 50
     assert len({run_id for _, run_id in results}) == 50
-    assert httpx.get(f"{service.url}/api/runs?limit=500").json()["total"] == 50
+    assert httpx.get(f"{service.url}/api/runs?limit=500", headers=AUTH).json()["total"] == 50
 
 
 def test_many_clients_and_the_scheduler_never_hit_a_locked_database(service: ServiceProcess) -> None:
     def client(i: int) -> list[int]:
         codes = []
-        with httpx.Client(base_url=service.url, timeout=60) as c:
+        with service.client() as c:
             for j in range(15):
                 r = c.post("/api/runs", json={"input_len": 8, "output_len": 2, "num_prompts": 2})
                 codes.append(r.status_code)
@@ -154,10 +153,10 @@ def test_many_clients_and_the_scheduler_never_hit_a_locked_database(service: Ser
         codes = [code for result in pool.map(client, range(12)) for code in result]
     assert all(code < 500 for code in codes), sorted(set(codes))
     assert set(codes) <= {200, 201, 409}
-    runs = httpx.get(f"{service.url}/api/runs?limit=500").json()
+    runs = httpx.get(f"{service.url}/api/runs?limit=500", headers=AUTH).json()
     assert runs["total"] == 12 * 15
     # The scheduler kept working through it all: every run ends (or is on its way).
-    with httpx.Client(base_url=service.url) as c:
+    with service.client() as c:
         wait_for(c, runs["runs"][0]["id"], lambda r: r["status"] in {"succeeded", "cancelled"},
                  timeout=120)
     assert "locked" not in service.log()

@@ -9,8 +9,7 @@ from pathlib import Path
 import httpx
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from tests.conftest import make_settings, wait_finished, wait_for
+from tests.conftest import make_client, wait_finished, wait_for
 
 SMALL = {"input_len": 64, "output_len": 8, "num_prompts": 12, "max_concurrency": 4}
 
@@ -61,8 +60,7 @@ def test_other_engine_settings_get_another_worker(client: TestClient) -> None:
 
 
 def test_cancel_running_run_keeps_samples_so_far(tmp_path: Path) -> None:
-    settings = make_settings(tmp_path)
-    with TestClient(create_app(settings)) as client:
+    with make_client(tmp_path) as client:
         os.environ["STUB_TOKEN_INTERVAL_S"] = "0.05"
         try:
             run = client.post(
@@ -90,7 +88,7 @@ def test_cancel_running_run_keeps_samples_so_far(tmp_path: Path) -> None:
 def test_worker_that_dies_at_start_fails_the_run_with_its_log(tmp_path: Path) -> None:
     os.environ["STUB_EXIT_AT_START"] = "3"
     try:
-        with TestClient(create_app(make_settings(tmp_path))) as client:
+        with make_client(tmp_path) as client:
             run = client.post("/api/runs", json=SMALL).json()
             done = wait_finished(client, run["id"])
     finally:
@@ -101,7 +99,7 @@ def test_worker_that_dies_at_start_fails_the_run_with_its_log(tmp_path: Path) ->
 
 
 def test_service_shutdown_stops_its_workers(tmp_path: Path) -> None:
-    with TestClient(create_app(make_settings(tmp_path))) as client:
+    with make_client(tmp_path) as client:
         run = client.post("/api/runs", json=SMALL).json()
         wait_finished(client, run["id"])
         pid = client.get("/api/workers").json()[0]["pid"]

@@ -1,0 +1,39 @@
+"""Fuzz every operation of the OpenAPI schema with schemathesis against a live service.
+
+The workers' command is ``/bin/false``: fuzzed runs that get queued fail at once
+instead of starting servers. The check here is the one that must hold without
+exception: no input makes the service answer with a server error.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import API_TOKEN
+from tests.service_process import ServiceProcess
+
+
+def test_no_generated_request_gets_a_server_error(tmp_path: Path) -> None:
+    service = ServiceProcess(tmp_path / "var", {"DECODEBENCH_VLLM_COMMAND": "/bin/false"})
+    service.start()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "schemathesis.cli", "run", f"{service.url}/openapi.json",
+             "--checks", "not_a_server_error", "--max-examples", "100", "--seed", "1",
+             "--workers", "2", "-H", f"Authorization: Bearer {API_TOKEN}",
+             "--report-dir", str(tmp_path / "report")],
+            capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        )
+    finally:
+        service.stop()
+    out = result.stdout
+    print(out[-1500:])
+    assert result.returncode == 0, out[-4000:]
+    generated = re.search(r"(\d+) generated, (\d+) passed", out)
+    assert generated is not None, out[-2000:]
+    assert generated.group(1) == generated.group(2) and int(generated.group(1)) > 1000
+    tested = re.search(r"Tested: (\d+)", out)
+    assert tested is not None and int(tested.group(1)) >= 15  # every API operation
