@@ -14,7 +14,7 @@ from sqlmodel import Session, col, select
 
 from service import store
 from service.auth import require_admin, require_reader
-from service.errors import Conflict, Forbidden, NotFound, Unauthorized
+from service.errors import ERROR_RESPONSES, Conflict, Forbidden, NotFound, Unauthorized
 from service.launcher import hash_token
 from service.metrics import export_vllm
 from service.models import (
@@ -34,7 +34,7 @@ from service.models import (
 )
 from service.scheduler import Scheduler
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 ADMIN = [Depends(require_admin)]
 READ = [Depends(require_reader)]
 
@@ -55,7 +55,10 @@ DB = Annotated[Engine, Depends(get_engine)]
 Sched = Annotated[Scheduler, Depends(get_scheduler)]
 
 
-@router.post("/api/runs", status_code=201, response_model=RunPublic, dependencies=ADMIN)
+@router.post(
+    "/api/runs", status_code=201, response_model=RunPublic, dependencies=ADMIN,
+    responses={200: {"model": RunPublic, "description": "Same Idempotency-Key and body: that run"}},
+)
 def submit_run(
     spec: RunSpec,
     engine: DB,

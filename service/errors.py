@@ -8,6 +8,8 @@ from urllib.parse import urlencode
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -63,6 +65,23 @@ class TooLarge(ServiceError):
     status = 413
 
 
+class ErrorBody(BaseModel):
+    """The one error shape: a message, or a list of validation errors."""
+
+    detail: str | list[dict[str, Any]]
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "The body could not be read"},
+    401: {"model": ErrorBody, "description": "Missing or wrong token"},
+    403: {"model": ErrorBody, "description": "A token that may not do this"},
+    404: {"model": ErrorBody, "description": "No such run, sweep or worker run"},
+    409: {"model": ErrorBody, "description": "Conflicts with the current state"},
+    413: {"model": ErrorBody, "description": "Request body too large"},
+    422: {"model": ErrorBody, "description": "Invalid input"},
+}
+
+
 def error_body(detail: Any) -> dict[str, Any]:
     """The one JSON error shape: ``{"detail": ...}``."""
     return {"detail": detail}
@@ -102,7 +121,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(_json_safe(exc.errors())), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.detail), status_code=exc.status_code, headers=exc.headers
-        )
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Every method the path answers to, not only those of the first route that matched.
+            headers["Allow"] = ", ".join(_methods_for(request))
+        return JSONResponse(error_body(exc.detail), status_code=exc.status_code, headers=headers)
+
+
+def _methods_for(request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, APIRoute) and route.path_regex.match(request.url.path):
+            methods |= route.methods - {"HEAD"}
+    return sorted(methods)

@@ -14,9 +14,9 @@ import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from sqlalchemy import JSON, Column
 from sqlmodel import Field as SQLField
 from sqlmodel import SQLModel
@@ -42,6 +42,17 @@ def new_id(prefix: str) -> str:
 
 
 # --- the spec -------------------------------------------------------------------------
+
+
+def _whole_number(value: Any) -> Any:
+    # JSON has one number type: 7.0 is the integer 7. Other floats, strings and booleans
+    # still fail the strict integer check.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
 
 
 class Strict(BaseModel):
@@ -95,8 +106,8 @@ def _check_extra_arg(arg: str) -> str:
 class EngineSpec(Strict):
     """How the vLLM server is configured; runs with equal engine specs share a server."""
 
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
-    max_model_len: int | None = Field(default=None, ge=16, le=MAX_INPUT_LEN + MAX_OUTPUT_LEN)
+    tensor_parallel_size: Int = Field(default=1, ge=1, le=64)
+    max_model_len: Int | None = Field(default=None, ge=16, le=MAX_INPUT_LEN + MAX_OUTPUT_LEN)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
     extra_args: list[str] = Field(default_factory=list, max_length=16)
@@ -119,19 +130,19 @@ class RunSpec(Strict):
     """What one benchmark run measures; see DESIGN.md "RunSpec"."""
 
     model: str = Field(default=TINY_MODEL_NAME, min_length=1, max_length=512)
-    input_len: int = Field(default=1024, ge=1, le=MAX_INPUT_LEN)
-    output_len: int = Field(default=128, ge=1, le=MAX_OUTPUT_LEN)
+    input_len: Int = Field(default=1024, ge=1, le=MAX_INPUT_LEN)
+    output_len: Int = Field(default=128, ge=1, le=MAX_OUTPUT_LEN)
     range_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
-    num_prompts: int = Field(default=64, ge=1, le=MAX_PROMPTS)
-    max_concurrency: int | None = Field(default=8, ge=1, le=100_000)
+    num_prompts: Int = Field(default=64, ge=1, le=MAX_PROMPTS)
+    max_concurrency: Int | None = Field(default=8, ge=1, le=100_000)
     request_rate: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
     burstiness: float = Field(default=1.0, gt=0, le=1e3, allow_inf_nan=False)
-    warmup_prompts: int = Field(default=0, ge=0, le=MAX_PROMPTS)
+    warmup_prompts: Int = Field(default=0, ge=0, le=MAX_PROMPTS)
     mode: Literal["fill", "prefill"] = "fill"
     fill: FillSpec = Field(default_factory=FillSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     goodput: GoodputSpec = Field(default_factory=GoodputSpec)
-    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+    seed: Int = Field(default=0, ge=0, le=2**32 - 1)
 
     @field_validator("model")
     @classmethod

@@ -14,9 +14,10 @@ from service.api import DB, sweep_public
 from service.auth import COOKIE, is_admin, require_page_reader
 from service.models import RunStatus, connector_totals
 
-router = APIRouter(dependencies=[Depends(require_page_reader)])
+# HTML for people, not part of the REST API's schema.
+router = APIRouter(dependencies=[Depends(require_page_reader)], include_in_schema=False)
 # The login page itself is open.
-login_router = APIRouter()
+login_router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 PAGE_SIZE = 50
