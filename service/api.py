@@ -118,7 +118,11 @@ CSV_FIELDS = [
 ]
 
 
-@router.get("/api/runs/{run_id}/export", response_model=None, dependencies=READ)
+@router.get(
+    "/api/runs/{run_id}/export", response_model=None, dependencies=READ,
+    responses={200: {"description": "vLLM result JSON, or CSV of the samples",
+                     "content": {"application/json": {}, "text/csv": {}}}},
+)
 def export_run(
     run_id: str, engine: DB, format: Literal["vllm", "csv"] = "vllm"
 ) -> JSONResponse | Response:
@@ -240,7 +244,7 @@ def connector_report(
 ) -> Response:
     """Cumulative fill counters from a worker's connector, per run it served."""
     worker = _worker_of(engine, authorization)
-    store.record_report(engine, worker.id, f"{report.role}:{report.rank}", report.runs)
+    store.record_report(engine, worker.id, f"{report.role}:{report.rank}", report.counters())
     return Response(status_code=204)
 
 

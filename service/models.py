@@ -55,6 +55,11 @@ def _whole_number(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_whole_number)]
 
 
+def bounded_int(ge: int, le: int) -> Any:
+    """An Int with bounds that show in the JSON schema (bounds before the validator)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_whole_number)]
+
+
 class Strict(BaseModel):
     """Unknown fields are a 422, not silently dropped; no coercion ("5" or true is not 5)."""
 
@@ -395,33 +400,54 @@ SWEEP_KEYS = ("input_len", "output_len", "max_concurrency", "request_rate", "mod
               "fill.std")
 
 
+class SweepGrid(Strict):
+    """The values to sweep, per field; dotted names reach into nested specs."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    input_len: list[bounded_int(1, MAX_INPUT_LEN)] | None = Field(  # type: ignore[valid-type]
+        default=None, min_length=1, max_length=64)
+    output_len: list[bounded_int(1, MAX_OUTPUT_LEN)] | None = Field(  # type: ignore[valid-type]
+        default=None, min_length=1, max_length=64)
+    max_concurrency: list[bounded_int(1, 100_000) | None] | None = Field(  # type: ignore[valid-type]
+        default=None, min_length=1, max_length=64)
+    request_rate: list[Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)] | None] | None = (
+        Field(default=None, min_length=1, max_length=64))
+    mode: list[Literal["fill", "prefill"]] | None = Field(default=None, min_length=1, max_length=2)
+    fill_mean: list[Annotated[float, Field(ge=-1e4, le=1e4, allow_inf_nan=False)]] | None = Field(
+        default=None, min_length=1, max_length=64, alias="fill.mean")
+    fill_std: list[Annotated[float, Field(ge=0, le=1e4, allow_inf_nan=False)]] | None = Field(
+        default=None, min_length=1, max_length=64, alias="fill.std")
+
+    def axes(self) -> dict[str, list[Any]]:
+        """The swept fields by their spec names, in declaration order."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class SweepCreate(Strict):
     """A base spec and the values to sweep; one run per point of the grid."""
 
     base: RunSpec = Field(default_factory=RunSpec)
-    grid: dict[str, list[Any]] = Field(min_length=1)
+    grid: SweepGrid
 
-    @field_validator("grid")
-    @classmethod
-    def _grid(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    @model_validator(mode="after")
+    def _grid(self) -> SweepCreate:
+        axes = self.grid.axes()
+        if not axes:
+            raise ValueError(f"the grid sweeps nothing; sweepable: {', '.join(SWEEP_KEYS)}")
         size = 1
-        for key, values in grid.items():
-            if key not in SWEEP_KEYS:
-                raise ValueError(f"cannot sweep {key!r}; sweepable: {', '.join(SWEEP_KEYS)}")
-            if not values:
-                raise ValueError(f"grid {key!r} has no values")
-            if len(set(map(repr, values))) != len(values):
-                raise ValueError(f"grid {key!r} repeats a value")
+        for values in axes.values():
             size *= len(values)
         if size > MAX_SWEEP_RUNS:
             raise ValueError(f"the grid makes {size} runs, more than the cap of {MAX_SWEEP_RUNS}")
-        return grid
+        return self
 
     def points(self) -> list[tuple[dict[str, Any], RunSpec]]:
         """Every grid point with its full spec; a point that is not a valid spec is a ValueError."""
-        keys = list(self.grid)
+        axes = self.grid.axes()
+        keys = list(axes)
         out = []
-        for combo in itertools.product(*(self.grid[k] for k in keys)):
+        for combo in itertools.product(*(axes[k] for k in keys)):
             point = dict(zip(keys, combo, strict=True))
             data = self.base.model_dump()
             for key, value in point.items():
@@ -448,31 +474,31 @@ class SweepPublic(BaseModel):
     runs: list[RunPublic]
 
 
-REPORT_COUNTERS = (
-    "requests_seen", "prefill_requests", "fallback_requests",
-    "requests_filled", "blocks_filled", "bytes_filled", "fill_seconds",
-)
+Counter = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]
+
+
+class RunCounters(Strict):
+    """One run's cumulative counters from one connector side."""
+
+    requests_seen: Counter | None = None
+    prefill_requests: Counter | None = None
+    fallback_requests: Counter | None = None
+    requests_filled: Counter | None = None
+    blocks_filled: Counter | None = None
+    bytes_filled: Counter | None = None
+    fill_seconds: Counter | None = None
 
 
 class ConnectorReport(Strict):
     """Cumulative counters one connector side (role, rank) keeps per run."""
 
     role: Literal["scheduler", "worker"]
-    rank: int = Field(ge=0, le=1024)
-    runs: dict[str, dict[str, float]] = Field(max_length=4096)
+    rank: Int = Field(ge=0, le=1024)
+    runs: dict[Annotated[str, Field(max_length=64)], RunCounters] = Field(max_length=4096)
 
-    @field_validator("runs")
-    @classmethod
-    def _known_counters(cls, runs: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-        for run_id, counters in runs.items():
-            if len(run_id) > 64:
-                raise ValueError("run id too long")
-            for name, value in counters.items():
-                if name not in REPORT_COUNTERS:
-                    raise ValueError(f"unknown counter {name!r}")
-                if not math.isfinite(value) or value < 0:
-                    raise ValueError(f"counter {name!r} must be a finite number >= 0")
-        return runs
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Per run, the counters that were sent."""
+        return {run: c.model_dump(exclude_none=True) for run, c in self.runs.items()}
 
 
 def connector_totals(ranks: dict[str, dict[str, float]]) -> dict[str, Any]:

@@ -214,7 +214,7 @@ def create_sweep(engine: Engine, body: SweepCreate) -> Sweep:
         points = body.points()
     except ValueError as exc:
         raise Invalid(str(exc)) from exc
-    sweep = Sweep(id=new_id("s"), base=body.base.model_dump(), grid=body.grid)
+    sweep = Sweep(id=new_id("s"), base=body.base.model_dump(), grid=body.grid.axes())
     with write_session(engine) as session:
         session.add(sweep)
         for _, spec in points:

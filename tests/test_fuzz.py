@@ -1,8 +1,10 @@
 """Fuzz every operation of the OpenAPI schema with schemathesis against a live service.
 
 The workers' command is ``/bin/false``: fuzzed runs that get queued fail at once
-instead of starting servers. The check here is the one that must hold without
-exception: no input makes the service answer with a server error.
+instead of starting servers. Every check runs but one: "positive data acceptance"
+flags requests the schema allows and the service refuses, and the service must
+refuse some of those by design (an Idempotency-Key reused with another body is a
+422, the issue's contract; a prompt plus output longer than the model is a 422).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from tests.conftest import API_TOKEN
 from tests.service_process import ServiceProcess
 
 
-def test_no_generated_request_gets_a_server_error(tmp_path: Path) -> None:
+def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(tmp_path: Path) -> None:
     service = ServiceProcess(tmp_path / "var", {"DECODEBENCH_VLLM_COMMAND": "/bin/false"})
     service.start()
     try:
         result = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", f"{service.url}/openapi.json",
-             "--checks", "not_a_server_error", "--max-examples", "100", "--seed", "1",
+             "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+             "--max-examples", "100", "--seed", "1",
              "--workers", "2", "-H", f"Authorization: Bearer {API_TOKEN}",
              "--report-dir", str(tmp_path / "report")],
             capture_output=True, text=True, timeout=900, cwd=tmp_path,
@@ -36,4 +39,4 @@ def test_no_generated_request_gets_a_server_error(tmp_path: Path) -> None:
     assert generated is not None, out[-2000:]
     assert generated.group(1) == generated.group(2) and int(generated.group(1)) > 1000
     tested = re.search(r"Tested: (\d+)", out)
-    assert tested is not None and int(tested.group(1)) >= 15  # every API operation
+    assert tested is not None and int(tested.group(1)) >= 13  # every API operation
