@@ -1,0 +1,28 @@
+"""Launcher pieces: capped worker logs, the log tail in errors."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from service.launcher import drain_to_capped_file, log_tail
+
+
+def test_worker_output_is_drained_to_a_capped_file(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    log = tmp_path / "w.log"
+    drain = threading.Thread(
+        target=drain_to_capped_file, args=(os.fdopen(read_end, "rb"), log, 64 * 1024)
+    )
+    drain.start()
+    with os.fdopen(write_end, "wb") as out:
+        for i in range(5000):  # about 390 KiB: six times the cap
+            out.write(f"line {i:05d} {'x' * 64}\n".encode())
+    drain.join(timeout=10)
+    assert not drain.is_alive()
+    rotated = log.with_name("w.log.1")
+    assert log.stat().st_size <= 64 * 1024 and rotated.stat().st_size <= 64 * 1024
+    # The newest output is kept, in order, and the tail shows the very last lines.
+    assert log_tail(log, 2).splitlines() == [f"line 04998 {'x' * 64}", f"line 04999 {'x' * 64}"]
+    assert "line 00000" not in log.read_text() + rotated.read_text()
