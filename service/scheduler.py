@@ -186,6 +186,11 @@ class Scheduler:
         try:
             await self.execute(run_id, spec, placement)
         finally:
+            # Workers set aside for eviction are stopped even if the run never got to it
+            # (cancelled while queued): nothing else holds them any more.
+            for handle in placement.evict:
+                if handle.alive():
+                    await self.launcher.stop(handle)
             self._starting.pop(run_id, None)
             if placement.reuse is not None:
                 placement.reuse.busy_run = None
