@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -31,6 +33,8 @@ def main() -> None:
     problem = refuse_open_bind(settings)
     if problem:
         sys.exit(f"decodebench: {problem}")
+    # `kill -USR1 <pid>` prints every thread's stack to the log: for a service that hangs.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     token_path = settings.data_dir / "api-token"
     settings.resolve_api_token()

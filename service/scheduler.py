@@ -46,6 +46,7 @@ class Placement:
     gpus: list[str] = field(default_factory=list)
     evict: list[WorkerHandle] = field(default_factory=list)
 WATCH_EVERY_S = 0.5
+SHUTDOWN_WAIT_S = 10.0
 
 
 class Scheduler:
@@ -77,6 +78,13 @@ class Scheduler:
 
     async def shutdown(self) -> None:
         """Stop the loop, fail the runs in progress, and stop every worker."""
+        try:
+            await asyncio.wait_for(self._stop_tasks(), SHUTDOWN_WAIT_S)
+        except TimeoutError:
+            log.error("runs did not stop within %s s; stopping the workers anyway", SHUTDOWN_WAIT_S)
+        await self.launcher.stop_all()
+
+    async def _stop_tasks(self) -> None:
         if self.loop_task is not None:
             self.loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -85,7 +93,6 @@ class Scheduler:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.launcher.stop_all()
 
     def alive(self) -> bool:
         """True while the loop task runs."""

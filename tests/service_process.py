@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -81,14 +83,28 @@ class ServiceProcess:
         self.proc.wait()
 
     def stop(self) -> None:
-        """A clean shutdown (SIGTERM), if it still runs."""
+        """A clean shutdown (SIGTERM), if it still runs. A service that hangs has its
+        stacks dumped to its log (SIGUSR1) before it and its workers are killed, so a
+        test never leaves processes behind."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(1)
                 self.proc.kill()
                 self.proc.wait()
+                self._kill_workers()
+
+    def _kill_workers(self) -> None:
+        db = self.data_dir / "decodebench.sqlite3"
+        with sqlite3.connect(db) as conn:
+            pids = [row[0] for row in conn.execute("SELECT pid FROM worker WHERE pid IS NOT NULL")]
+        for pid in pids:
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
 
     def log(self) -> str:
         """The service's output so far."""
