@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import hmac
 import io
 from typing import Annotated, Any, Literal
 
@@ -13,9 +12,8 @@ from sqlalchemy import Engine, func, text
 from sqlmodel import Session, col, select
 
 from service import store
-from service.auth import require_admin, require_reader
-from service.errors import ERROR_RESPONSES, Conflict, Forbidden, NotFound, Unauthorized
-from service.launcher import hash_token
+from service.auth import require_admin, require_reader, require_worker
+from service.errors import ERROR_RESPONSES, Conflict, NotFound
 from service.metrics import export_vllm
 from service.models import (
     FINISHED,
@@ -200,30 +198,13 @@ def list_workers(engine: DB) -> list[WorkerPublic]:
         return [WorkerPublic.model_validate(w, from_attributes=True) for w in rows]
 
 
-def _worker_of(engine: Engine, authorization: str | None) -> Worker:
-    """The active worker a bearer token belongs to, or 401/403."""
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise Unauthorized("a worker bearer token is required")
-    digest = hash_token(token)
-    with Session(engine) as session:
-        worker = session.exec(select(Worker).where(Worker.token_hash == digest)).first()
-    # The lookup is by hash; compare again in constant time before trusting it.
-    if worker is None or not hmac.compare_digest(worker.token_hash, digest):
-        raise Unauthorized("unknown worker token")
-    if worker.status not in ("starting", "ready"):
-        raise Forbidden("this worker is no longer active")
-    return worker
-
-
 @router.get("/api/connector/fill", response_model=FillAnswer)
 def connector_fill(
     engine: DB,
     run_id: Annotated[str, Query(min_length=1, max_length=64)],
-    authorization: Annotated[str | None, Header()] = None,
+    worker: Annotated[Worker, Depends(require_worker)],
 ) -> FillAnswer:
     """Fill parameters of one run, for the connector inside the run's worker."""
-    worker = _worker_of(engine, authorization)
     try:
         run: Run | None = store.get_run(engine, run_id)
     except NotFound:
@@ -240,10 +221,9 @@ def connector_fill(
 def connector_report(
     report: ConnectorReport,
     engine: DB,
-    authorization: Annotated[str | None, Header()] = None,
+    worker: Annotated[Worker, Depends(require_worker)],
 ) -> Response:
     """Cumulative fill counters from a worker's connector, per run it served."""
-    worker = _worker_of(engine, authorization)
     store.record_report(engine, worker.id, f"{report.role}:{report.rank}", report.counters())
     return Response(status_code=204)
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import hmac
 
 from fastapi import Request
-from sqlmodel import Session, select
 
+from service import store
 from service.errors import Forbidden, LoginRequired, Unauthorized
-from service.launcher import hash_token
 from service.models import Worker
 
 COOKIE = "decodebench_token"
@@ -33,10 +32,17 @@ def is_admin(request: Request, token: str | None) -> bool:
     return token is not None and hmac.compare_digest(token.encode(), expected.encode())
 
 
-def _is_worker_token(request: Request, token: str) -> bool:
-    with Session(request.app.state.engine) as session:
-        digest = hash_token(token)
-        return session.exec(select(Worker.id).where(Worker.token_hash == digest)).first() is not None
+def require_worker(request: Request) -> Worker:
+    """Connector calls: the active worker whose bearer token this is, or 401/403."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("a worker bearer token is required")
+    worker = store.worker_by_token(request.app.state.engine, token.strip())
+    if worker is None:
+        raise Unauthorized("unknown worker token")
+    if worker.status not in ("starting", "ready"):
+        raise Forbidden("this worker is no longer active")
+    return worker
 
 
 def require_admin(request: Request) -> None:
@@ -46,7 +52,7 @@ def require_admin(request: Request) -> None:
         return
     if token is None:
         raise Unauthorized("this call needs the API token: Authorization: Bearer <token>")
-    if _is_worker_token(request, token):
+    if store.worker_by_token(request.app.state.engine, token) is not None:
         raise Forbidden("a worker token may only call the connector endpoints")
     raise Unauthorized("wrong API token")
 

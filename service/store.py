@@ -8,6 +8,7 @@ so two writers (the API cancelling, the scheduler finishing) can never both win.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -19,6 +20,7 @@ from sqlmodel import Session, col, select
 
 from service.db import write_session
 from service.errors import Conflict, Invalid, NotFound
+from service.launcher import hash_token
 from service.metrics import Sample as SampleData
 from service.models import (
     FINISHED,
@@ -258,3 +260,13 @@ def list_sweeps(engine: Engine, limit: int) -> list[tuple[Sweep, dict[str, int]]
             counts["total"] = sum(counts.values())
             out.append((sweep, counts))
         return out
+
+
+def worker_by_token(engine: Engine, token: str) -> Worker | None:
+    """The worker a token was given to (looked up by its hash, compared in constant time)."""
+    digest = hash_token(token)
+    with Session(engine) as session:
+        worker = session.exec(select(Worker).where(Worker.token_hash == digest)).first()
+    if worker is None or not hmac.compare_digest(worker.token_hash, digest):
+        return None
+    return worker
