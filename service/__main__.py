@@ -18,10 +18,11 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 def refuse_open_bind(settings: Settings) -> str | None:
     """Why the service must not start with these settings, or None."""
-    if settings.host not in LOOPBACK and not settings.api_token:
+    if settings.host not in LOOPBACK and not settings.api_token and not settings.allow_open_bind:
         return (
             f"refusing to listen on {settings.host}: beyond this machine the service needs a token "
-            "you chose. Set DECODEBENCH_API_TOKEN, or keep DECODEBENCH_HOST=127.0.0.1."
+            "you chose. Set DECODEBENCH_API_TOKEN, or keep DECODEBENCH_HOST=127.0.0.1 (in a container "
+            "whose port is published on loopback only, DECODEBENCH_ALLOW_OPEN_BIND=1)."
         )
     return None
 

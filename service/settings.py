@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     api_token: str | None = None
     # Let anyone who can reach the service read runs and pages without the token.
     public_read: bool = False
+    # Listen beyond loopback with a generated token: for a container whose port is
+    # published on the host's loopback only (docker/compose.yaml does that).
+    allow_open_bind: bool = False
     # Comma-separated GPU ids; None means "all visible", empty means none.
     gpus: str | None = None
     vllm_command: str | None = None

@@ -96,6 +96,7 @@ def test_binding_beyond_loopback_without_a_chosen_token_is_refused(tmp_path: Pat
     assert "DECODEBENCH_API_TOKEN" in str(refuse_open_bind(Settings(host="0.0.0.0", data_dir=tmp_path)))
     assert refuse_open_bind(Settings(host="0.0.0.0", api_token="t" * 32, data_dir=tmp_path)) is None
     assert refuse_open_bind(Settings(host="127.0.0.1", data_dir=tmp_path)) is None
+    assert refuse_open_bind(Settings(host="0.0.0.0", allow_open_bind=True, data_dir=tmp_path)) is None
 
 
 HOSTILE_STRINGS = [
