@@ -14,6 +14,7 @@ from sqlmodel import Session, col, select
 from service import store
 from service.auth import require_admin, require_reader, require_worker
 from service.errors import ERROR_RESPONSES, Conflict, NotFound
+from service.launcher import serve_command
 from service.metrics import export_vllm
 from service.models import (
     FINISHED,
@@ -29,6 +30,8 @@ from service.models import (
     SweepPublic,
     Worker,
     WorkerPublic,
+    WorkerRegister,
+    WorkerRegistered,
 )
 from service.scheduler import Scheduler
 
@@ -192,10 +195,41 @@ def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
 
 @router.get("/api/workers", response_model=list[WorkerPublic], dependencies=READ)
 def list_workers(engine: DB) -> list[WorkerPublic]:
-    """vLLM servers the service started, newest first."""
+    """vLLM servers the service started or was told about, newest first."""
     with Session(engine) as session:
         rows = session.exec(select(Worker).order_by(col(Worker.created_at).desc())).all()
         return [WorkerPublic.model_validate(w, from_attributes=True) for w in rows]
+
+
+@router.post("/api/workers", status_code=201, response_model=WorkerRegistered, dependencies=ADMIN)
+async def register_worker(body: WorkerRegister, request: Request, scheduler: Sched) -> WorkerRegistered:
+    """Register a vLLM server started elsewhere; the answer holds its worker token and the
+    exact ``vllm serve`` line to start it with (shown once)."""
+    settings = request.app.state.settings
+    worker, token = scheduler.launcher.register(body)
+    control_url = body.control_url or settings.control_base_url()
+    command, config = serve_command(body, control_url, token)
+    scheduler.probe_now()
+    public = WorkerPublic.model_validate(worker, from_attributes=True)
+    return WorkerRegistered(**public.model_dump(), token=token, kv_transfer_config=config,
+                            vllm_serve=command)
+
+
+@router.get("/api/workers/{worker_id}", response_model=WorkerPublic, dependencies=READ)
+def get_worker(worker_id: str, engine: DB) -> WorkerPublic:
+    """One vLLM server: where it is, its status and why."""
+    worker = store.get_worker(engine, worker_id)
+    if worker is None:
+        raise NotFound(f"worker {worker_id!r} not found")
+    return WorkerPublic.model_validate(worker, from_attributes=True)
+
+
+@router.delete("/api/workers/{worker_id}", status_code=204, dependencies=ADMIN)
+async def remove_worker(worker_id: str, scheduler: Sched) -> Response:
+    """Remove a registered server: no more runs go to it and its token stops working;
+    409 while it serves a run."""
+    scheduler.launcher.deregister(worker_id)
+    return Response(status_code=204)
 
 
 @router.get("/api/connector/fill", response_model=FillAnswer)

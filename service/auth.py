@@ -40,7 +40,8 @@ def require_worker(request: Request) -> Worker:
     worker = store.worker_by_token(request.app.state.engine, token.strip())
     if worker is None:
         raise Unauthorized("unknown worker token")
-    if worker.status not in ("starting", "ready"):
+    # A registered server that missed a probe is still the same server: its pulls go on.
+    if worker.status not in ("starting", "ready", "unavailable"):
         raise Forbidden("this worker is no longer active")
     return worker
 

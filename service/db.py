@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, inspect
 from sqlmodel import Session, SQLModel, create_engine
 
 BUSY_TIMEOUT_MS = 30_000
@@ -46,7 +46,45 @@ def make_engine(path: Path) -> Engine:
     from service import models  # noqa: F401
 
     SQLModel.metadata.create_all(engine)
+    add_missing_columns(engine)
     return engine
+
+
+def add_missing_columns(engine: Engine) -> list[str]:
+    """Add columns that newer code declares to tables an older version created.
+
+    ``create_all`` makes missing tables, never missing columns; without this, an
+    upgraded service (a new image on the same volume) could not read its own data.
+    Returns the columns added, as ``table.column``.
+    """
+    added = []
+    existing = inspect(engine)
+    with engine.begin() as conn:
+        for table in SQLModel.metadata.sorted_tables:
+            have = {c["name"] for c in existing.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in have:
+                    continue
+                kind = column.type.compile(engine.dialect)
+                ddl = f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'
+                default = getattr(column.default, "arg", None)
+                if isinstance(default, bool | int | float | str):
+                    ddl += f" DEFAULT {_literal(default)}"
+                if not column.nullable:
+                    if default is None:
+                        raise RuntimeError(f"cannot add required column {table.name}.{column.name}")
+                    ddl += " NOT NULL"
+                conn.exec_driver_sql(ddl)
+                added.append(f"{table.name}.{column.name}")
+    return added
+
+
+def _literal(value: bool | int | float | str) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return repr(value)
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from sqlalchemy import Engine, update
 from sqlmodel import Session, col
 
 from service import store
-from service.launcher import Launcher, WorkerError, WorkerHandle, log_tail
+from service.launcher import Launcher, WorkerError, WorkerHandle
 from service.loadgen import LoadGenerator, make_plan
 from service.metrics import Sample, summarize
 from service.models import RunSpec, RunStatus, Worker, utcnow
@@ -60,21 +60,49 @@ class Scheduler:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
         self.loop_task: asyncio.Task[None] | None = None
+        self.probe_task: asyncio.Task[None] | None = None
+        self._probe_wakeup = asyncio.Event()
         # Runs placed but whose worker is not up yet, with the GPUs they hold.
         self._starting: dict[str, Placement] = {}
 
     def recover(self) -> None:
-        """Fail runs interrupted by a previous crash and stop its orphaned workers."""
+        """Fail runs interrupted by a previous crash, stop its orphaned workers, and take
+        back the registered servers (unavailable until probed)."""
         failed = store.fail_interrupted(self.engine)
         orphans = self.launcher.reap_orphans()
         if failed or orphans:
             log.warning("recovered: %d interrupted runs failed, %d orphaned workers stopped",
                         failed, orphans)
+        registered = self.launcher.load_registered()
+        if registered:
+            log.info("%d registered workers to probe", registered)
 
     def start(self) -> None:
-        """Recover, then start the loop as a task."""
+        """Recover, then start the loop and the registered servers' prober as tasks."""
         self.recover()
         self.loop_task = asyncio.create_task(self.run_forever(), name="decodebench-scheduler")
+        self.probe_task = asyncio.create_task(self.probe_forever(), name="decodebench-prober")
+
+    def probe_now(self) -> None:
+        """Probe the registered servers at once (one was just registered)."""
+        self._probe_wakeup.set()
+
+    async def probe_forever(self) -> None:
+        """Probe every registered server every ``worker_probe_s``; wake the loop when one
+        becomes ready. Until cancelled."""
+        while True:
+            self._probe_wakeup.clear()
+            handles = [h for h in self.launcher.workers.values() if h.external]
+            results = await asyncio.gather(
+                *(self.launcher.probe(h) for h in handles), return_exceptions=True
+            )
+            for handle, result in zip(handles, results, strict=True):
+                if isinstance(result, Exception):
+                    log.error("probing worker %s failed: %r", handle.id, result)
+            if any(r is True for r in results):
+                self.notify()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._probe_wakeup.wait(), self.settings.worker_probe_s)
 
     async def shutdown(self) -> None:
         """Stop the loop, fail the runs in progress, and stop every worker."""
@@ -85,10 +113,11 @@ class Scheduler:
         await self.launcher.stop_all()
 
     async def _stop_tasks(self) -> None:
-        if self.loop_task is not None:
-            self.loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.loop_task
+        for loop in (self.loop_task, self.probe_task):
+            if loop is not None:
+                loop.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
@@ -139,30 +168,42 @@ class Scheduler:
                 continue
             placement = self._place(run.id, spec)
             if placement is None:
+                if self._waits_on_registered(spec):
+                    continue
                 break  # first come, first served: later runs wait behind this one
             task = asyncio.create_task(self._execute_placed(run.id, spec, placement))
             self._tasks[run.id] = task
 
     def _reap_dead_workers(self) -> None:
         for handle in list(self.launcher.workers.values()):
-            if not handle.alive() and handle.busy_run is None:
+            if handle.process is not None and not handle.alive() and handle.busy_run is None:
                 self.launcher.mark_dead(
                     handle, f"exited with code {handle.process.returncode}; "
-                    f"last log lines:\n{log_tail(handle.log_path)}"
+                    f"last log lines:\n{handle.tail()}"
                 )
+
+    def _waits_on_registered(self, spec: RunSpec) -> bool:
+        """True if the run waits for registered servers only (busy or unavailable): it holds
+        nothing of this machine's, so later runs of other kinds need not wait behind it."""
+        key = spec.worker_key()
+        same = [h for h in self.launcher.workers.values() if h.key == key]
+        starting = any(p.key == key for p in self._starting.values())
+        return bool(same) and all(h.external for h in same) and not starting
 
     def _place(self, run_id: str, spec: RunSpec) -> Placement | None:
         """Where the run can go now: a free worker of its kind, or GPUs for a new one
         (stopping idle workers of other kinds to free them); None if it must wait."""
         self._reap_dead_workers()
-        workers = list(self.launcher.workers.values())
-        same = [h for h in workers if h.key == spec.worker_key()]
+        every = list(self.launcher.workers.values())
+        same = [h for h in every if h.key == spec.worker_key()]
         if same or any(p.key == spec.worker_key() for p in self._starting.values()):
             idle = [h for h in same if h.busy_run is None and h.ready]
             if not idle:
                 return None  # runs of one kind share one server, one run at a time
             idle[0].busy_run = run_id
             return Placement(key=spec.worker_key(), reuse=idle[0])
+        # Registered servers hold none of this machine's GPUs and are never evicted.
+        workers = [h for h in every if not h.external]
         all_gpus = self.settings.gpu_ids()
         if not all_gpus:
             # A CPU machine: one worker at a time, and only when nothing is running.
@@ -249,7 +290,7 @@ class Scheduler:
                 return
             duration = await self._drive(run_id, spec, handle, samples)
             if not handle.alive():
-                tail = log_tail(handle.log_path)
+                tail = handle.tail()
                 self.launcher.mark_dead(handle, "exited during a run")
                 raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
             summary = summarize(samples, duration, spec.goodput.model_dump(exclude_none=True))
@@ -257,7 +298,7 @@ class Scheduler:
             ok = [s for s in samples if s.success]
             if len(ok) < len(samples) and not await self._healthy(handle):
                 # A server that stopped answering is not reused: the next run gets a new one.
-                tail = log_tail(handle.log_path)
+                tail = handle.tail()
                 await self.launcher.stop(handle, status="failed", error="stopped answering")
                 raise WorkerError(
                     f"vLLM server stopped answering during the run ({len(samples) - len(ok)} "
@@ -269,7 +310,7 @@ class Scheduler:
                     self.engine, run_id, RunStatus.failed, summary=summary,
                     completed=0, failed=len(samples),
                     error=f"every request failed; first error: {first_error}\n"
-                    f"last log lines of the vLLM server:\n{log_tail(handle.log_path)}",
+                    f"last log lines of the vLLM server:\n{handle.tail()}",
                 )
                 return
             store.transition(
@@ -314,7 +355,7 @@ class Scheduler:
         checked = 0
 
         def exited() -> WorkerError:
-            tail = log_tail(handle.log_path)
+            tail = handle.tail()
             self.launcher.mark_dead(handle, "exited during a run")
             return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
 
@@ -329,7 +370,7 @@ class Scheduler:
                     await asyncio.sleep(WATCH_EVERY_S)
                     if not handle.alive():
                         return exited()
-                    tail = log_tail(handle.log_path)
+                    tail = handle.tail()
                     await self.launcher.stop(handle, status="failed", error="stopped answering")
                     return WorkerError(
                         f"vLLM server stopped answering during the run ({checked} requests "

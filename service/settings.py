@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     # A stream that sends nothing for this long is failed (the server hung).
     request_timeout_s: float = Field(default=600.0, gt=0)
     scheduler_poll_s: float = Field(default=0.5, gt=0)
+    # How often registered (external) vLLM servers are health-probed.
+    worker_probe_s: float = Field(default=5.0, gt=0)
     # Each worker log is kept to about twice this (the file and one rotated copy).
     worker_log_max_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
 
