@@ -1,0 +1,337 @@
+"""Registered vLLM servers (started elsewhere, driven by this service), with the stub server
+in its own process standing in for a server on another host."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service.db import make_engine
+from tests.conftest import TESTS, make_client, wait_finished, wait_for
+
+MODEL = "acme/remote-8b"
+SMALL = {"model": MODEL, "input_len": 64, "output_len": 8, "num_prompts": 6, "max_concurrency": 2}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RemoteStub:
+    """A stub vLLM server the test starts and stops itself, as a user would on another host."""
+
+    def __init__(self, port: int, served: str = MODEL, **env: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, str(TESTS / "stub_vllm.py"), "--served-model-name", served,
+                "--host", "127.0.0.1", "--port", str(port)]
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            assert self.proc.poll() is None, "stub server exited"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            assert time.monotonic() < deadline, "stub server did not come up"
+            time.sleep(0.05)
+
+    def requests_seen(self) -> int:
+        return int(httpx.get(f"{self.url}/stub/requests", timeout=5).json()["requests"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def remotes() -> Iterator[Callable[..., RemoteStub]]:
+    started: list[RemoteStub] = []
+
+    def start(port: int | None = None, served: str = MODEL, **env: str) -> RemoteStub:
+        stub = RemoteStub(port or _free_port(), served, **env)
+        started.append(stub)
+        return stub
+
+    yield start
+    for stub in started:
+        stub.stop()
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    with make_client(tmp_path, worker_probe_s=0.2) as c:
+        yield c
+
+
+def _register(client: TestClient, url: str, **extra: Any) -> dict[str, Any]:
+    response = client.post("/api/workers", json={"url": url, "model": MODEL, **extra})
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+def _worker(client: TestClient, worker_id: str, status: str, timeout: float = 20) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        worker = client.get(f"/api/workers/{worker_id}").json()
+        if worker["status"] == status:
+            return dict(worker)
+        assert time.monotonic() < deadline, f"worker never became {status}: {worker}"
+        time.sleep(0.05)
+
+
+def test_registered_server_takes_the_runs_of_its_model_and_engine(
+    client: TestClient, remotes: Callable[..., RemoteStub]
+) -> None:
+    remote = remotes()
+    registered = _register(client, remote.url)
+    assert registered["external"] is True and registered["status"] == "unavailable"
+    worker = _worker(client, registered["id"], "ready")
+    assert worker["kv_tokens"] == 100_000 * 16  # read from the server's /metrics
+    assert worker["last_seen_at"] is not None
+
+    run = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    assert run["status"] == "succeeded", run["error"]
+    assert run["worker_id"] == registered["id"]
+    assert run["progress"] == {"completed": 6, "failed": 0, "total": 6}
+    assert remote.requests_seen() == 6
+    # No server was started here for it: the registered one is the only worker.
+    assert [w["id"] for w in client.get("/api/workers").json()] == [registered["id"]]
+    assert client.get(f"/api/workers/{registered['id']}").json()["runs_served"] == 1
+
+
+def test_runs_spread_over_registered_servers_of_one_kind(
+    client: TestClient, remotes: Callable[..., RemoteStub]
+) -> None:
+    slow = {"STUB_TOKEN_INTERVAL_S": "0.05"}
+    first, second = remotes(**slow), remotes(**slow)
+    ids = {_register(client, first.url)["id"], _register(client, second.url)["id"]}
+    for worker_id in ids:
+        _worker(client, worker_id, "ready")
+    spec = {**SMALL, "output_len": 20, "num_prompts": 4}
+    runs = [client.post("/api/runs", json=spec).json()["id"] for _ in range(2)]
+    both = [wait_for(client, r, lambda run: run["status"] == "running") for r in runs]
+    assert {run["worker_id"] for run in both} == ids  # side by side, one per server
+    assert all(wait_finished(client, r)["status"] == "succeeded" for r in runs)
+
+
+def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
+    client: TestClient, remotes: Callable[..., RemoteStub]
+) -> None:
+    port = _free_port()
+    registered = _register(client, f"http://127.0.0.1:{port}")
+    down = _worker(client, registered["id"], "unavailable")
+    assert "no answer" in down["error"]
+    run_id = client.post("/api/runs", json=SMALL).json()["id"]
+    time.sleep(1.5)  # several probes and scheduler passes
+    assert client.get(f"/api/runs/{run_id}").json()["status"] == "queued"
+
+    remotes(port)
+    _worker(client, registered["id"], "ready")
+    run = wait_finished(client, run_id)
+    assert run["status"] == "succeeded", run["error"]
+    assert run["worker_id"] == registered["id"]
+
+
+def test_a_run_waiting_for_a_registered_server_does_not_hold_up_other_runs(
+    client: TestClient,
+) -> None:
+    registered = _register(client, f"http://127.0.0.1:{_free_port()}")
+    _worker(client, registered["id"], "unavailable")
+    waiting = client.post("/api/runs", json=SMALL).json()["id"]
+    local = client.post("/api/runs", json={**SMALL, "model": "decodebench-tiny"}).json()["id"]
+    assert wait_finished(client, local)["status"] == "succeeded"
+    assert client.get(f"/api/runs/{waiting}").json()["status"] == "queued"
+
+
+def test_server_that_dies_mid_run_fails_that_run_only_and_comes_back(
+    client: TestClient, remotes: Callable[..., RemoteStub]
+) -> None:
+    port = _free_port()
+    crashing = remotes(port, STUB_CRASH_AFTER="3", STUB_TOKEN_INTERVAL_S="0.02")
+    registered = _register(client, crashing.url)
+    _worker(client, registered["id"], "ready")
+    run = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    assert run["status"] == "failed"
+    assert "stopped answering" in run["error"]
+    assert "its log is on the host that runs it" in run["error"]
+    # Not forgotten, not failed: unavailable, and back once it answers again.
+    assert client.get(f"/api/workers/{registered['id']}").json()["status"] == "unavailable"
+    next_run = client.post("/api/runs", json=SMALL).json()["id"]
+    remotes(port)
+    done = wait_finished(client, next_run)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["worker_id"] == registered["id"]
+
+
+def test_server_serving_another_model_is_unavailable_with_the_reason(
+    client: TestClient, remotes: Callable[..., RemoteStub]
+) -> None:
+    remote = remotes(served="acme/some-other-model")
+    registered = _register(client, remote.url)
+    worker = _worker(client, registered["id"], "unavailable")
+    assert "acme/some-other-model" in worker["error"] and MODEL in worker["error"]
+
+
+def test_registration_answers_the_exact_vllm_serve_line_with_the_worker_token(
+    client: TestClient,
+) -> None:
+    registered = _register(
+        client, "http://10.1.2.3:8123", control_url="http://bench.internal:8000",
+        engine={"tensor_parallel_size": 2, "max_model_len": 65536,
+                "extra_args": ["--max-num-seqs=32"]},
+    )
+    token = registered["token"]
+    assert len(token) >= 32
+    extra = registered["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["worker_token"] == token
+    assert extra["control_url"] == "http://bench.internal:8000"
+    assert registered["kv_transfer_config"]["kv_connector"] == "FillConnector"
+    line = registered["vllm_serve"]
+    assert line.startswith(f"vllm serve {MODEL} --served-model-name {MODEL} ")
+    for part in ("--port 8123", "--tensor-parallel-size 2", "--max-model-len 65536",
+                 "--max-num-seqs=32", token):
+        assert part in line
+    # The token is shown once: listing workers never shows it.
+    assert token not in client.get("/api/workers").text
+
+
+def test_a_chosen_token_is_used_and_opens_the_connector_endpoints_for_its_runs(
+    client: TestClient, remotes: Callable[..., RemoteStub]
+) -> None:
+    token = "k8s-secret-" + "x" * 32
+    remote = remotes()
+    registered = _register(client, remote.url, token=token)
+    assert registered["token"] == token
+    _worker(client, registered["id"], "ready")
+    run = wait_finished(client, client.post("/api/runs", json={**SMALL, "fill": {"mean": 0.25}})
+                        .json()["id"])
+    worker_auth = {"Authorization": f"Bearer {token}"}
+    pulled = client.get(f"/api/connector/fill?run_id={run['id']}", headers=worker_auth)
+    assert pulled.status_code == 200
+    assert pulled.json() == {"run_id": run["id"], "mode": "fill", "mean": 0.25, "std": 0.0}
+    # After removal the token opens nothing.
+    assert client.delete(f"/api/workers/{registered['id']}").status_code == 204
+    again = client.get(f"/api/connector/fill?run_id={run['id']}", headers=worker_auth)
+    assert again.status_code == 403
+
+
+def test_removed_server_takes_no_runs_and_cannot_be_removed_twice(
+    client: TestClient, remotes: Callable[..., RemoteStub]
+) -> None:
+    remote = remotes()
+    registered = _register(client, remote.url)
+    _worker(client, registered["id"], "ready")
+    assert client.delete(f"/api/workers/{registered['id']}").status_code == 204
+    assert client.get(f"/api/workers/{registered['id']}").json()["status"] == "removed"
+    again = client.delete(f"/api/workers/{registered['id']}")
+    assert again.status_code == 404 and "no registered worker" in again.json()["detail"]
+    assert client.delete("/api/workers/w-000000000000").status_code == 404
+    # The same URL may be registered again once the old entry is gone.
+    assert client.post("/api/workers", json={"url": remote.url, "model": MODEL}).status_code == 201
+    assert remote.requests_seen() == 0
+
+
+def test_a_server_busy_with_a_run_cannot_be_removed(
+    client: TestClient, remotes: Callable[..., RemoteStub]
+) -> None:
+    remote = remotes(STUB_TOKEN_INTERVAL_S="0.05")
+    registered = _register(client, remote.url)
+    _worker(client, registered["id"], "ready")
+    run_id = client.post("/api/runs", json={**SMALL, "output_len": 40}).json()["id"]
+    wait_for(client, run_id, lambda r: r["status"] == "running")
+    busy = client.delete(f"/api/workers/{registered['id']}")
+    assert busy.status_code == 409 and run_id in busy.json()["detail"]
+    assert wait_finished(client, run_id)["status"] == "succeeded"
+
+
+def test_a_worker_the_service_started_cannot_be_removed(client: TestClient) -> None:
+    run = wait_finished(client, client.post("/api/runs", json={**SMALL, "model": "decodebench-tiny"})
+                        .json()["id"])
+    response = client.delete(f"/api/workers/{run['worker_id']}")
+    assert response.status_code == 409
+    assert "started by this service" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"url": "ftp://10.0.0.1:21", "model": MODEL}, "http:// or https://"),
+        ({"url": "http://user:pw@10.0.0.1:8000", "model": MODEL}, "no user"),
+        ({"url": "http://10.0.0.1:8000/?x=1", "model": MODEL}, "no user, query"),
+        ({"url": "http://10.0.0.1:99999", "model": MODEL}, "port"),
+        ({"url": "http://bad_host!:8000", "model": MODEL}, "not a host name"),
+        ({"url": "http://10.0.0.1:8000", "model": "../../etc"}, "served-model-name"),
+        ({"url": "http://10.0.0.1:8000", "model": MODEL, "token": "short"}, "at least 32"),
+        ({"url": "http://10.0.0.1:8000"}, "Field required"),
+        ({"url": "http://10.0.0.1:8000", "model": MODEL, "engine": {"extra_args": ["--x"]}},
+         "not allowed"),
+    ],
+)
+def test_bad_registrations_are_422_with_the_reason(
+    client: TestClient, body: dict[str, Any], message: str
+) -> None:
+    response = client.post("/api/workers", json=body)
+    assert response.status_code == 422
+    assert message in str(response.json()["detail"])
+    assert client.get("/api/workers").json() == []
+
+
+def test_the_same_url_twice_is_409(client: TestClient) -> None:
+    _register(client, "http://10.9.9.9:8000")
+    response = client.post("/api/workers", json={"url": "http://10.9.9.9:8000/", "model": MODEL})
+    assert response.status_code == 409 and "registered already" in response.json()["detail"]
+
+
+def test_registering_needs_the_api_token(tmp_path: Path) -> None:
+    with make_client(tmp_path) as client:
+        body = {"url": "http://10.0.0.1:8000", "model": MODEL}
+        assert client.post("/api/workers", json=body, headers={"Authorization": ""}).status_code == 401
+        assert client.get("/api/workers").json() == []
+
+
+def test_registered_servers_survive_a_restart_of_the_service(
+    tmp_path: Path, remotes: Callable[..., RemoteStub]
+) -> None:
+    remote = remotes()
+    with make_client(tmp_path, worker_probe_s=0.2) as client:
+        registered = _register(client, remote.url)
+        _worker(client, registered["id"], "ready")
+    with make_client(tmp_path, worker_probe_s=0.2) as client:
+        _worker(client, registered["id"], "ready")
+        run = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+        assert run["status"] == "succeeded" and run["worker_id"] == registered["id"]
+    # The service's shutdown left the server it did not start running.
+    assert remote.proc.poll() is None
+
+
+def test_an_older_database_gets_the_new_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    with make_client(tmp_path) as client:
+        run = wait_finished(client, client.post("/api/runs", json={**SMALL, "model": "decodebench-tiny"})
+                            .json()["id"])
+    db = tmp_path / "var" / "decodebench.sqlite3"
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        for column in ("external", "vocab_size", "last_seen_at"):
+            conn.execute(f"ALTER TABLE worker DROP COLUMN {column}")
+        conn.commit()
+    make_engine(db).dispose()
+    with make_client(tmp_path) as client:
+        worker = client.get(f"/api/workers/{run['worker_id']}").json()
+        assert worker["external"] is False and worker["status"] == "stopped"
+        assert client.get(f"/api/runs/{run['id']}").json()["status"] == "succeeded"
