@@ -71,16 +71,22 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
             proc.wait()
 
 
-def _start_vllm(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+def _start_vllm(
+    model_dir: Path, log_path: Path, *extra: str, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = port or _free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", TINY_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--load-format", "dummy", "--enforce-eager",
             # 1 GiB of KV cache (a million tokens of the tiny model) is plenty, and leaves room
             # for the service's own worker next to these two.
             "--kv-cache-memory-bytes", str(1 << 30), *extra]
+    # The connector package is importable the way a user installs it next to vLLM.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -235,3 +241,40 @@ def test_prefill_run_after_fill_run_matches_a_server_without_connector(
     assert _texts(service, fill["id"]) != expected
     report = _connector_settled(service, prefill["id"], "prefill_requests", 3)
     assert report["requests_filled"] == 0
+
+
+def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
+    service: httpx.Client, reference_servers: dict[str, str], tmp_path: Path
+) -> None:
+    """A vLLM server started by someone else, loaded with the connector config that
+    registration answers, serves a run and fills with that run's values."""
+    engine = {"max_model_len": 8192}
+    port = _free_port()
+    response = service.post("/api/workers", json={
+        "url": f"http://127.0.0.1:{port}", "model": TINY_MODEL_NAME, "engine": engine})
+    assert response.status_code == 201, response.text
+    registered = response.json()
+    assert "--max-model-len 8192" in registered["vllm_serve"]
+    model_dir = ensure_tiny_model(tmp_path / "models")
+    log_path = tmp_path / "registered.log"
+    proc, url = _start_vllm(model_dir, log_path, "--max-model-len", "8192", "--kv-transfer-config",
+                            json.dumps(registered["kv_transfer_config"]), port=port)
+    try:
+        _wait_healthy(proc, url, log_path)
+        wait_worker = time.monotonic() + 30
+        while service.get(f"/api/workers/{registered['id']}").json()["status"] != "ready":
+            assert time.monotonic() < wait_worker, "the service never saw the server answer"
+            time.sleep(0.2)
+        spec: dict[str, Any] = {"input_len": 3000, "output_len": 12, "num_prompts": 3,
+                                "max_concurrency": 1, "seed": 21, "fill": {"mean": 0.7, "std": 0.0},
+                                "engine": engine}
+        run = _run(service, **spec)
+        assert run["worker_id"] == registered["id"]
+        assert run["connector"]["pulls"] == 1
+        # The same tokens as vLLM's own DecodeBenchConnector filling with 0.7.
+        assert _texts(service, run["id"]) == _generate(reference_servers["upstream"], spec)
+        report = _connector_settled(service, run["id"], "requests_filled", 3)
+        assert report["fallback_requests"] == 0
+    finally:
+        _stop(proc)
+        service.delete(f"/api/workers/{registered['id']}")
