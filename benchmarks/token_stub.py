@@ -18,7 +18,9 @@ except ImportError:  # pragma: no cover - uvloop ships with vLLM
     uvloop = None  # type: ignore[assignment]
 
 
-async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float) -> None:
+async def _handle(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float, served: bytes
+) -> None:
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -28,7 +30,11 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
                     length = int(line.split(b":", 1)[1])
             body = json.loads(await reader.readexactly(length)) if length else {}
             if not head.startswith(b"POST"):
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                # /v1/models names the served model (a registered worker's probe checks it).
+                answer = b"{}"
+                if head.startswith(b"GET /v1/models"):
+                    answer = b'{"data":[{"id":"%s"}]}' % served
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
                 await writer.drain()
                 continue
             n = int(body.get("max_tokens", 16))
@@ -52,9 +58,9 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
         writer.close()
 
 
-async def _serve(port: int, interval: float) -> None:
-    server = await asyncio.start_server(lambda r, w: _handle(r, w, interval), "127.0.0.1", port,
-                                        backlog=4096)
+async def _serve(port: int, interval: float, served: str) -> None:
+    server = await asyncio.start_server(lambda r, w: _handle(r, w, interval, served.encode()),
+                                        "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -64,10 +70,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--interval", type=float, default=0.02)
+    parser.add_argument("--served-model-name", default="stub")
     args = parser.parse_args()
     if uvloop is not None:
         uvloop.install()
-    asyncio.run(_serve(args.port, args.interval))
+    asyncio.run(_serve(args.port, args.interval, args.served_model_name))
 
 
 if __name__ == "__main__":

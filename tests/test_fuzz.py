@@ -5,6 +5,10 @@ instead of starting servers. Every check runs but one: "positive data acceptance
 flags requests the schema allows and the service refuses, and the service must
 refuse some of those by design (an Idempotency-Key reused with another body is a
 422, the issue's contract; a prompt plus output longer than the model is a 422).
+
+Registering a worker is left out: a valid registration makes the service probe the
+URL it names, and tests send traffic to loopback only. Its validation has its own
+tests (tests/test_external_workers.py).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(tmp_path:
         result = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", f"{service.url}/openapi.json",
              "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-             "--max-examples", "100", "--seed", "1",
+             "--max-examples", "100", "--seed", "1", "--exclude-name", "POST /api/workers",
              "--workers", "2", "-H", f"Authorization: Bearer {API_TOKEN}",
              "--report-dir", str(tmp_path / "report")],
             capture_output=True, text=True, timeout=900, cwd=tmp_path,
@@ -39,4 +43,4 @@ def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(tmp_path:
     assert generated is not None, out[-2000:]
     assert generated.group(1) == generated.group(2) and int(generated.group(1)) > 1000
     tested = re.search(r"Tested: (\d+)", out)
-    assert tested is not None and int(tested.group(1)) >= 13  # every API operation
+    assert tested is not None and int(tested.group(1)) >= 15  # every API operation but one

@@ -1,0 +1,141 @@
+"""How many runs per second one service schedules, with 1, 4 and 16 registered servers.
+
+The service runs as its own process (``python -m service``, real HTTP, real SQLite);
+each registered server is ``token_stub.py`` in its own process, streaming tokens
+1 ms apart, so a run costs the service what its bookkeeping costs: submit, place,
+mark starting and running, tag and send one request, store its sample and summary,
+finish. What is left is the control plane's own ceiling. Every variant is measured
+in this one run, each on a fresh service and data dir, and printed side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TOKEN = "bench-token-" + "x" * 24
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MODEL = "bench/remote"
+RUN = {"model": MODEL, "input_len": 16, "output_len": 2, "num_prompts": 1, "max_concurrency": 1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with code {proc.returncode}")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer") from None
+            time.sleep(0.05)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def measure(workers: int, runs: int) -> dict[str, float]:
+    """Submit ``runs`` one-request runs to a fresh service with ``workers`` registered
+    stub servers; time the submissions and the whole batch to its last run's end."""
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="decodebench-schedule-") as tmp:
+        port = _free_port()
+        env = {**os.environ, "DECODEBENCH_DATA_DIR": str(Path(tmp) / "var"),
+               "DECODEBENCH_PORT": str(port), "DECODEBENCH_API_TOKEN": TOKEN,
+               "DECODEBENCH_GPUS": "", "DECODEBENCH_VLLM_COMMAND": "/bin/false",
+               "DECODEBENCH_WORKER_PROBE_S": "1"}
+        base = f"http://127.0.0.1:{port}"
+        try:
+            service = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=env,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       start_new_session=True)
+            procs.append(service)
+            _wait_http(f"{base}/healthz", service)
+            with httpx.Client(base_url=base, headers=AUTH, timeout=60) as client:
+                ids = []
+                for _ in range(workers):
+                    stub_port = _free_port()
+                    stub = subprocess.Popen(
+                        [sys.executable, str(HERE / "token_stub.py"), "--port", str(stub_port),
+                         "--interval", "0.001", "--served-model-name", MODEL],
+                        start_new_session=True)
+                    procs.append(stub)
+                    _wait_http(f"http://127.0.0.1:{stub_port}/health", stub)
+                    answer = client.post("/api/workers", json={
+                        "url": f"http://127.0.0.1:{stub_port}", "model": MODEL})
+                    answer.raise_for_status()
+                    ids.append(answer.json()["id"])
+                deadline = time.monotonic() + 30
+                while not all(client.get(f"/api/workers/{i}").json()["status"] == "ready" for i in ids):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("registered stubs never became ready")
+                    time.sleep(0.1)
+
+                started = time.perf_counter()
+                for _ in range(runs):
+                    client.post("/api/runs", json=RUN).raise_for_status()
+                submitted = time.perf_counter() - started
+                while True:
+                    done = client.get("/api/runs", params={"status": "succeeded", "limit": 1})
+                    finished = done.json()["total"]
+                    if finished == runs:
+                        break
+                    failed = client.get("/api/runs", params={"status": "failed", "limit": 1})
+                    if failed.json()["total"]:
+                        raise RuntimeError(f"a run failed: {failed.json()['runs'][0]['error']}")
+                    time.sleep(0.02)
+                elapsed = time.perf_counter() - started
+        finally:
+            for proc in reversed(procs):
+                _stop(proc)
+    return {"submit_per_s": runs / submitted, "runs_per_s": runs / elapsed, "seconds": elapsed}
+
+
+def main() -> None:
+    """Print the table."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--workers", default="1,4,16")
+    args = parser.parse_args()
+    levels = [int(w) for w in args.workers.split(",")]
+    results = {w: measure(w, args.runs) for w in levels}
+    first = results[levels[0]]["runs_per_s"]
+    print(f"{args.runs} one-request runs per variant, {os.cpu_count()} CPU cores")
+    print("| registered servers | submits/s | seconds | runs/s | vs 1 server |")
+    print("|---:|---:|---:|---:|---:|")
+    for w, r in results.items():
+        print(f"| {w} | {r['submit_per_s']:.0f} | {r['seconds']:.1f} | {r['runs_per_s']:.1f} "
+              f"| {r['runs_per_s'] / first:.2f}x |")
+    best = max(results.values(), key=lambda r: r["runs_per_s"])
+    print(f"schedule: up to {best['runs_per_s']:.1f} runs/s; "
+          f"{levels[-1]} servers / 1 server {results[levels[-1]]['runs_per_s'] / first:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
