@@ -114,6 +114,9 @@ def test_registered_server_takes_the_runs_of_its_model_and_engine(
     # No server was started here for it: the registered one is the only worker.
     assert [w["id"] for w in client.get("/api/workers").json()] == [registered["id"]]
     assert client.get(f"/api/workers/{registered['id']}").json()["runs_served"] == 1
+    page = client.get(f"/runs/{run['id']}")
+    assert page.status_code == 200
+    assert registered["id"] in page.text and "registered server, started elsewhere" in page.text
 
 
 def test_runs_spread_over_registered_servers_of_one_kind(
