@@ -28,6 +28,8 @@ TOKEN = "bench-token-" + "x" * 24
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MODEL = "bench/remote"
 RUN = {"model": MODEL, "input_len": 16, "output_len": 2, "num_prompts": 1, "max_concurrency": 1}
+SWEEP = {"base": RUN, "grid": {"input_len": list(range(16, 16 + 64)), "fill.mean": [0.1, 0.2, 0.3, 0.4]}}
+SWEEP_RUNS = 256
 
 
 def _free_port() -> int:
@@ -60,9 +62,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def measure(workers: int, runs: int) -> dict[str, float]:
-    """Submit ``runs`` one-request runs to a fresh service with ``workers`` registered
-    stub servers; time the submissions and the whole batch to its last run's end."""
+def measure(workers: int, submits: int) -> dict[str, float]:
+    """On a fresh service with ``workers`` registered stub servers: time ``submits`` runs
+    posted one by one, then a sweep of 256 one-request runs from its POST to its last end."""
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="decodebench-schedule-") as tmp:
         port = _free_port()
@@ -97,37 +99,43 @@ def measure(workers: int, runs: int) -> dict[str, float]:
                         raise RuntimeError("registered stubs never became ready")
                     time.sleep(0.1)
 
+                # One POST per run, as a script submitting runs one by one would.
                 started = time.perf_counter()
-                for _ in range(runs):
+                for _ in range(submits):
                     client.post("/api/runs", json=RUN).raise_for_status()
                 submitted = time.perf_counter() - started
-                while True:
-                    done = client.get("/api/runs", params={"status": "succeeded", "limit": 1})
-                    finished = done.json()["total"]
-                    if finished == runs:
-                        break
-                    failed = client.get("/api/runs", params={"status": "failed", "limit": 1})
-                    if failed.json()["total"]:
-                        raise RuntimeError(f"a run failed: {failed.json()['runs'][0]['error']}")
-                    time.sleep(0.02)
+                _wait_succeeded(client, submits)
+                # A sweep queues all its runs at once: what is left is scheduling and running.
+                started = time.perf_counter()
+                client.post("/api/sweeps", json=SWEEP).raise_for_status()
+                _wait_succeeded(client, submits + SWEEP_RUNS)
                 elapsed = time.perf_counter() - started
         finally:
             for proc in reversed(procs):
                 _stop(proc)
-    return {"submit_per_s": runs / submitted, "runs_per_s": runs / elapsed, "seconds": elapsed}
+    return {"submit_per_s": submits / submitted, "runs_per_s": SWEEP_RUNS / elapsed, "seconds": elapsed}
+
+
+def _wait_succeeded(client: httpx.Client, total: int) -> None:
+    while client.get("/api/runs", params={"status": "succeeded", "limit": 1}).json()["total"] < total:
+        failed = client.get("/api/runs", params={"status": "failed", "limit": 1}).json()
+        if failed["total"]:
+            raise RuntimeError(f"a run failed: {failed['runs'][0]['error']}")
+        time.sleep(0.02)
 
 
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--submits", type=int, default=100)
     parser.add_argument("--workers", default="1,4,16")
     args = parser.parse_args()
     levels = [int(w) for w in args.workers.split(",")]
-    results = {w: measure(w, args.runs) for w in levels}
+    results = {w: measure(w, args.submits) for w in levels}
     first = results[levels[0]]["runs_per_s"]
-    print(f"{args.runs} one-request runs per variant, {os.cpu_count()} CPU cores")
-    print("| registered servers | submits/s | seconds | runs/s | vs 1 server |")
+    print(f"{args.submits} runs posted one by one, then a sweep of {SWEEP_RUNS} one-request runs; "
+          f"{os.cpu_count()} CPU cores")
+    print("| registered servers | POST /api/runs per s | sweep seconds | runs/s | vs 1 server |")
     print("|---:|---:|---:|---:|---:|")
     for w, r in results.items():
         print(f"| {w} | {r['submit_per_s']:.0f} | {r['seconds']:.1f} | {r['runs_per_s']:.1f} "
