@@ -8,7 +8,7 @@ EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-dev browser run test lint bench clean
+.PHONY: setup setup-dev browser compose-tool run test lint bench clean
 
 setup: $(VENV)/.installed-$(EXTRA)
 
@@ -31,6 +31,10 @@ $(VENV)/.installed-dev: pyproject.toml
 browser:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
+# Debian's docker-compose: tests/test_compose.py checks docker/compose.yaml with it (no Docker engine needed).
+compose-tool:
+	@command -v docker-compose >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q docker-compose; }
+
 run: setup
 	$(PY) -m service
 
@@ -38,7 +42,7 @@ lint: setup-dev
 	$(VENV)/bin/ruff check service connector tests benchmarks
 	$(VENV)/bin/mypy
 
-test: setup-dev browser lint
+test: setup-dev browser compose-tool lint
 	$(PY) -m pytest -x -q
 
 # token_stub.py is the loadgen benchmark's server, not a benchmark of its own.
