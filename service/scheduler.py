@@ -261,6 +261,12 @@ class Scheduler:
 
     async def execute(self, run_id: str, spec: RunSpec, placement: Placement) -> None:
         """Run one placed run to its end state."""
+        reuse = placement.reuse
+        if reuse is not None and reuse.external and not await self._healthy(reuse):
+            # A registered server can go away between two probes: the run stays queued
+            # for the next server that answers instead of failing on this one.
+            self.launcher.set_unavailable(reuse, "did not answer /health as a run was about to start")
+            return
         if not store.transition(self.engine, run_id, RunStatus.starting):
             return
         samples: list[Sample] = []

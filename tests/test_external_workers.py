@@ -183,6 +183,24 @@ def test_server_that_dies_mid_run_fails_that_run_only_and_comes_back(
     assert done["worker_id"] == registered["id"]
 
 
+def test_a_server_gone_since_its_last_probe_leaves_the_run_queued_not_failed(
+    tmp_path: Path, remotes: Callable[..., RemoteStub]
+) -> None:
+    with make_client(tmp_path, worker_probe_s=2) as client:
+        port = _free_port()
+        remote = remotes(port)
+        registered = _register(client, remote.url)
+        _worker(client, registered["id"], "ready")
+        remote.stop()  # the probe that just passed is the last one for a while
+        run_id = client.post("/api/runs", json=SMALL).json()["id"]
+        _worker(client, registered["id"], "unavailable")
+        time.sleep(0.5)
+        assert client.get(f"/api/runs/{run_id}").json()["status"] == "queued"
+        remotes(port)
+        run = wait_finished(client, run_id)
+        assert run["status"] == "succeeded", run["error"]
+
+
 def test_server_serving_another_model_is_unavailable_with_the_reason(
     client: TestClient, remotes: Callable[..., RemoteStub]
 ) -> None:
