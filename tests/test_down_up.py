@@ -15,11 +15,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
 from tests.service_process import ServiceProcess, pid_alive
 
 SLOW = {"input_len": 16, "output_len": 100, "num_prompts": 8, "max_concurrency": 2}
-# docker/compose.yaml gives the service this long between SIGTERM and SIGKILL.
-COMPOSE_STOP_GRACE_S = 60
+COMPOSE = Path(__file__).resolve().parents[1] / "docker" / "compose.yaml"
+
+
+def compose_stop_grace_s() -> float:
+    """How long docker/compose.yaml gives the service between SIGTERM and SIGKILL."""
+    grace = yaml.safe_load(COMPOSE.read_text())["x-decodebench"]["stop_grace_period"]
+    assert grace.endswith("s") and grace[:-1].isdigit(), grace
+    return float(grace[:-1])
 
 
 def _wait(pred: Callable[[], bool], timeout: float = 60) -> None:
@@ -47,7 +55,7 @@ def test_down_fails_the_run_in_progress_with_a_reason_and_up_goes_on(tmp_path: P
         started = time.monotonic()
         service.proc.send_signal(signal.SIGTERM)
         try:
-            service.proc.wait(timeout=COMPOSE_STOP_GRACE_S)
+            service.proc.wait(timeout=compose_stop_grace_s())
         except subprocess.TimeoutExpired as exc:
             raise AssertionError("the service outlived compose's stop grace period") from exc
         print(f"service stopped {time.monotonic() - started:.2f} s after SIGTERM")
