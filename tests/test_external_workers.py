@@ -213,8 +213,9 @@ def test_server_serving_another_model_is_unavailable_with_the_reason(
 def test_registration_answers_the_exact_vllm_serve_line_with_the_worker_token(
     client: TestClient,
 ) -> None:
+    port = _free_port()  # nothing listens there: only the answer matters
     registered = _register(
-        client, "http://10.1.2.3:8123", control_url="http://bench.internal:8000",
+        client, f"http://127.0.0.1:{port}", control_url="http://bench.internal:8000",
         engine={"tensor_parallel_size": 2, "max_model_len": 65536,
                 "extra_args": ["--max-num-seqs=32"]},
     )
@@ -226,7 +227,7 @@ def test_registration_answers_the_exact_vllm_serve_line_with_the_worker_token(
     assert registered["kv_transfer_config"]["kv_connector"] == "FillConnector"
     line = registered["vllm_serve"]
     assert line.startswith(f"vllm serve {MODEL} --served-model-name {MODEL} ")
-    for part in ("--port 8123", "--tensor-parallel-size 2", "--max-model-len 65536",
+    for part in (f"--port {port}", "--tensor-parallel-size 2", "--max-model-len 65536",
                  "--max-num-seqs=32", token):
         assert part in line
     # The token is shown once: listing workers never shows it.
@@ -293,15 +294,15 @@ def test_a_worker_the_service_started_cannot_be_removed(client: TestClient) -> N
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"url": "ftp://10.0.0.1:21", "model": MODEL}, "http:// or https://"),
-        ({"url": "http://user:pw@10.0.0.1:8000", "model": MODEL}, "no user"),
-        ({"url": "http://10.0.0.1:8000/?x=1", "model": MODEL}, "no user, query"),
-        ({"url": "http://10.0.0.1:99999", "model": MODEL}, "port"),
+        ({"url": "ftp://127.0.0.1:21", "model": MODEL}, "http:// or https://"),
+        ({"url": "http://user:pw@127.0.0.1:8000", "model": MODEL}, "no user"),
+        ({"url": "http://127.0.0.1:8000/?x=1", "model": MODEL}, "no user, query"),
+        ({"url": "http://127.0.0.1:99999", "model": MODEL}, "port"),
         ({"url": "http://bad_host!:8000", "model": MODEL}, "not a host name"),
-        ({"url": "http://10.0.0.1:8000", "model": "../../etc"}, "served-model-name"),
-        ({"url": "http://10.0.0.1:8000", "model": MODEL, "token": "short"}, "at least 32"),
-        ({"url": "http://10.0.0.1:8000"}, "Field required"),
-        ({"url": "http://10.0.0.1:8000", "model": MODEL, "engine": {"extra_args": ["--x"]}},
+        ({"url": "http://127.0.0.1:8000", "model": "../../etc"}, "served-model-name"),
+        ({"url": "http://127.0.0.1:8000", "model": MODEL, "token": "short"}, "at least 32"),
+        ({"url": "http://127.0.0.1:8000"}, "Field required"),
+        ({"url": "http://127.0.0.1:8000", "model": MODEL, "engine": {"extra_args": ["--x"]}},
          "not allowed"),
     ],
 )
@@ -315,14 +316,15 @@ def test_bad_registrations_are_422_with_the_reason(
 
 
 def test_the_same_url_twice_is_409(client: TestClient) -> None:
-    _register(client, "http://10.9.9.9:8000")
-    response = client.post("/api/workers", json={"url": "http://10.9.9.9:8000/", "model": MODEL})
+    url = f"http://127.0.0.1:{_free_port()}"
+    _register(client, url)
+    response = client.post("/api/workers", json={"url": url + "/", "model": MODEL})
     assert response.status_code == 409 and "registered already" in response.json()["detail"]
 
 
 def test_registering_needs_the_api_token(tmp_path: Path) -> None:
     with make_client(tmp_path) as client:
-        body = {"url": "http://10.0.0.1:8000", "model": MODEL}
+        body = {"url": "http://127.0.0.1:8000", "model": MODEL}
         assert client.post("/api/workers", json=body, headers={"Authorization": ""}).status_code == 401
         assert client.get("/api/workers").json() == []
 
