@@ -494,6 +494,8 @@ class Launcher:
             return False
         if handle.kv_tokens is None:
             handle.kv_tokens = await self._kv_capacity(handle)
+            if handle.id not in self.workers:
+                return False
         handle.ready = True
         handle.seen_written = time.monotonic()
         self._update(handle.id, status="ready", ready_at=now, last_seen_at=now, error=None,
