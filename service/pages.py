@@ -67,6 +67,7 @@ def index(
             "model": model or "",
             "statuses": [s.value for s in RunStatus],
             "sweeps": store.list_sweeps(engine, 10) if page == 1 else [],
+            "workers": store.active_workers(engine) if page == 1 else [],
         },
     )
 

@@ -245,6 +245,16 @@ def get_worker(engine: Engine, worker_id: str) -> Worker | None:
         return session.get(Worker, worker_id)
 
 
+def active_workers(engine: Engine) -> list[Worker]:
+    """Workers that can take runs now or soon: started, starting, or registered and not removed."""
+    with Session(engine) as session:
+        return list(session.exec(
+            select(Worker)
+            .where(col(Worker.status).in_(("starting", "ready", "unavailable")))
+            .order_by(col(Worker.created_at))
+        ).all())
+
+
 def list_sweeps(engine: Engine, limit: int) -> list[tuple[Sweep, dict[str, int]]]:
     """The newest sweeps with counts of their runs by status."""
     with Session(engine) as session:

@@ -141,6 +141,8 @@ def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
     registered = _register(client, f"http://127.0.0.1:{port}")
     down = _worker(client, registered["id"], "unavailable")
     assert "no answer" in down["error"]
+    index = client.get("/").text
+    assert registered["id"] in index and "registered" in index and down["error"] in index
     run_id = client.post("/api/runs", json=SMALL).json()["id"]
     time.sleep(1.5)  # several probes and scheduler passes
     assert client.get(f"/api/runs/{run_id}").json()["status"] == "queued"
