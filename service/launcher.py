@@ -437,7 +437,6 @@ class Launcher:
         """Forget a registered server: it takes no more runs and its token stops working."""
         handle = self.workers.get(worker_id)
         if handle is None:
-            row = None
             with Session(self.engine) as session:
                 row = session.get(Worker, worker_id)
             if row is None or not row.external or row.status == "removed":
