@@ -15,7 +15,7 @@ from service import store
 from service.auth import require_admin, require_reader, require_worker
 from service.errors import ERROR_RESPONSES, Conflict, NotFound
 from service.launcher import serve_command
-from service.metrics import export_vllm
+from service.metrics import export_vllm, is_bunched
 from service.models import (
     FINISHED,
     ConnectorReport,
@@ -115,7 +115,7 @@ def get_requests(run_id: str, engine: DB) -> list[SamplePublic]:
 
 CSV_FIELDS = [
     "index", "prompt_len", "output_tokens", "success", "ttft", "tpot", "latency",
-    "start_time", "due_time", "sent_time", "itl_count", "itl", "error",
+    "start_time", "due_time", "sent_time", "itl_count", "itl", "bunched", "error",
 ]
 
 
@@ -142,7 +142,7 @@ def export_run(
                 "success": s.success, "ttft": s.ttft, "tpot": tpot, "latency": s.latency,
                 "start_time": s.start_time, "due_time": s.due_time, "sent_time": s.sent_time,
                 "itl_count": len(s.itl), "itl": " ".join(f"{x:.6f}" for x in s.itl),
-                "error": s.error,
+                "bunched": is_bunched(s), "error": s.error,
             })
         return Response(
             out.getvalue(), media_type="text/csv",
@@ -159,6 +159,11 @@ def export_run(
         "max_concurrency": spec["max_concurrency"],
         "date": (run.started_at or run.created_at).strftime("%Y%m%d-%H%M%S"),
         "label": run.id,
+        # vLLM's result file keeps free keys (--metadata); ours go in one block.
+        "metadata": {"decodebench": {
+            "mode": spec["mode"], "fill": spec["fill"], "warnings": run.warnings or [],
+            "cpu_binding": run.cpu_binding,
+        }},
     }
     return JSONResponse(
         export_vllm(run.summary, samples, info),

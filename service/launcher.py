@@ -31,6 +31,7 @@ import httpx
 from sqlalchemy import Engine, update
 from sqlmodel import Session, col, select
 
+from service.cpu_binding import binding_env, parse_binding_log
 from service.db import write_session
 from service.errors import Conflict, NotFound
 from service.models import (
@@ -67,6 +68,15 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def log_head(path: Path, max_bytes: int = 1 << 20) -> str:
+    """The first ``max_bytes`` of a log file (empty if missing)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(max_bytes).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last ``lines`` lines of a log file (empty if missing)."""
     try:
@@ -101,6 +111,8 @@ class WorkerHandle:
     ready: bool = False
     # Tokens the server's KV cache holds, as it reports on /metrics (None if it does not say).
     kv_tokens: int | None = None
+    # CPU workers: the binding variables it was started with and the cores vLLM reports.
+    cpu_binding: dict[str, Any] | None = None
     # Registered servers: the last probe's complaint, and when last_seen_at was last written.
     last_problem: str | None = None
     seen_written: float = 0.0
@@ -254,8 +266,14 @@ class Launcher:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
         )
+        cpu_binding: dict[str, Any] | None = None
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        else:
+            # The same thread layout whatever the worker loads: see service/cpu_binding.py.
+            chosen = binding_env(spec.engine.tensor_parallel_size, os.environ)
+            env.update(chosen)
+            cpu_binding = {"env": chosen}
         with Session(self.engine) as session:
             session.add(
                 Worker(
@@ -268,6 +286,7 @@ class Launcher:
                     token_hash=hash_token(token),
                     log_path=str(log_path),
                     gpus=",".join(gpus),
+                    cpu_binding=cpu_binding,
                 )
             )
             session.commit()
@@ -299,6 +318,7 @@ class Launcher:
             log_path=log_path,
             gpus=gpus,
             vocab_size=_model_vocab_size(model_path),
+            cpu_binding=cpu_binding,
         )
         self.workers[worker_id] = handle
         self.tokens[worker_id] = token
@@ -310,7 +330,12 @@ class Launcher:
             raise
         handle.ready = True
         handle.kv_tokens = await self._kv_capacity(handle)
-        self._update(worker_id, status="ready", ready_at=utcnow(), kv_tokens=handle.kv_tokens)
+        if cpu_binding is not None:
+            # What vLLM made of the variables, as its worker logged it while starting.
+            cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
+            handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
+        self._update(worker_id, status="ready", ready_at=utcnow(), kv_tokens=handle.kv_tokens,
+                     cpu_binding=cpu_binding)
         log.info("worker %s ready at %s", worker_id, url)
         return handle
 

@@ -17,6 +17,19 @@ result JSON it saves:
   ``start + ttft + itl[0] + ... + itl[k]``, a request is active in every bucket from
   the one holding its start to the one holding ``start + latency``. Each is the
   maximum over the buckets on its own (not the concurrency at the token peak).
+
+Beyond vLLM's keys:
+
+- ``decode_{mean,median,p99}_{itl,tpot}_ms`` and ``decode_gaps``: the same statistics
+  over the steady decode window only, the gaps during which no request of the run
+  was waiting for its first token. At concurrency above one a real-prefill run's
+  decode steps also carry other requests' prefills (chunked prefill); these keys
+  compare decode with decode. A request's decode TPOT is the mean of its own
+  steady gaps (its TPOT, had every step been a pure decode step).
+- ``run_warnings`` turns samples into warnings; ``bunched_streams`` is the one
+  samples alone can show: streams whose tokens reached the client in bursts
+  instead of one engine step at a time (a starved client), so their gaps are not
+  the server's.
 """
 
 from __future__ import annotations
@@ -31,6 +44,14 @@ import numpy as np
 PERCENTILES: tuple[float, ...] = (50, 90, 95, 99)
 SLO_KEYS: tuple[str, ...] = ("ttft_ms", "tpot_ms", "e2el_ms")
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+# No engine step of vLLM takes under 0.1 ms: chunks closer than that arrived together.
+TOGETHER_S = 1e-4
+# Chunks closer than this share of a stream's own TPOT arrived together too.
+TOGETHER_OF_TPOT = 0.1
+# A run warns when at least this share of its streams arrived in bursts...
+BUNCHED_SHARE = 0.1
+# ...or when its pooled median ITL is below this share of its median TPOT.
+ITL_OF_TPOT = 0.5
 
 Summary = dict[str, float | int | None]
 
@@ -106,13 +127,95 @@ def _peaks(ok: Sequence[Sample]) -> tuple[float, int]:
     for s in ok:
         # Add the gaps one by one from the first token's time, in vLLM's order, so
         # that a token right on a second boundary falls into the same bucket.
-        times = np.cumsum(np.array([s.start_time + s.ttft, *s.itl], dtype=np.float64))
+        times = _token_times(s)
         seconds = (times - origin).astype(np.int64)
         np.add.at(tokens, seconds[(seconds >= 0) & (seconds < buckets)], 1)
         first = int(s.start_time - origin)
         last = int(s.start_time + s.latency - origin)
         active[first : last + 1] += 1
     return float(tokens.max()), int(active.max())
+
+
+def _token_times(s: Sample) -> np.ndarray:
+    # Same order of additions as _peaks and vLLM: first token, then each gap.
+    return np.cumsum(np.array([s.start_time + s.ttft, *s.itl], dtype=np.float64))
+
+
+def steady_gaps(samples: Sequence[Sample]) -> list[np.ndarray]:
+    """Per successful request (in order), its gaps during which no request of the run was
+    waiting for its first token (seconds)."""
+    ok = [s for s in samples if s.success]
+    if not ok:
+        return []
+    windows = sorted((s.start_time, s.start_time + s.ttft) for s in ok)
+    starts: list[float] = []
+    ends: list[float] = []
+    for lo, hi in windows:  # merge overlapping waits into disjoint, sorted intervals
+        if ends and lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    w_start, w_end = np.asarray(starts), np.asarray(ends)
+    out = []
+    for s in ok:
+        times = _token_times(s)
+        gaps = np.asarray(s.itl, dtype=np.float64)
+        # The last wait that began before the gap ended; it overlaps if it ends after the gap began.
+        j = np.searchsorted(w_start, times[1:], side="left") - 1
+        busy = (j >= 0) & (w_end[np.maximum(j, 0)] > times[:-1])
+        out.append(gaps[~busy])
+    return out
+
+
+def decode_stats(samples: Sequence[Sample]) -> Summary:
+    """ITL and TPOT over the steady decode window (see the module docstring), in ms."""
+    per_request = steady_gaps(samples)
+    itl = np.concatenate(per_request) if per_request else np.zeros(0)
+    tpot = np.array([g.mean() for g in per_request if g.size], dtype=np.float64)
+    out: Summary = {"decode_gaps": int(itl.size)}
+    for name, values in (("itl", itl), ("tpot", tpot)):
+        data = values if values.size else np.zeros(1)
+        out[f"decode_mean_{name}_ms"] = float(np.mean(data)) * 1000
+        out[f"decode_median_{name}_ms"] = float(np.median(data)) * 1000
+        out[f"decode_p99_{name}_ms"] = float(np.percentile(data, 99)) * 1000
+    return out
+
+
+def is_bunched(sample: Sample) -> bool:
+    """True when a stream's tokens reached the client in bursts, not one engine step at a
+    time: more than half its gaps are under 0.1 ms or under a tenth of its own TPOT."""
+    if not sample.success or len(sample.itl) < 2:
+        return False
+    limit = max(TOGETHER_S, TOGETHER_OF_TPOT * (sample.tpot() or 0.0))
+    return float(np.median(sample.itl)) < limit
+
+
+def run_warnings(samples: Sequence[Sample], summary: Mapping[str, object]) -> list[dict[str, object]]:
+    """Warnings the samples themselves show, as ``{code, message, figure}``."""
+    streams = [s for s in samples if s.success and len(s.itl) >= 2]
+    if not streams:
+        return []
+    bunched = sum(is_bunched(s) for s in streams)
+    share = bunched / len(streams)
+    itl = summary.get("median_itl_ms")
+    tpot = summary.get("median_tpot_ms")
+    pooled_low = (
+        isinstance(itl, float) and isinstance(tpot, float) and tpot > 0 and itl < ITL_OF_TPOT * tpot
+    )
+    if share < BUNCHED_SHARE and not pooled_low:
+        return []
+    message = (
+        f"{bunched} of {len(streams)} streams reached the client in bursts instead of one token "
+        f"per engine step (median gap under {TOGETHER_OF_TPOT:.0%} of the stream's TPOT)"
+    )
+    if pooled_low:
+        message += f"; median ITL {itl:.3f} ms is below half the median TPOT {tpot:.3f} ms"
+    message += (
+        ": the client did not see tokens when the server sent them (a starved client or a "
+        "buffering proxy), so this run's ITL, and TPOT of those streams, are not meaningful"
+    )
+    return [{"code": "bunched_streams", "message": message, "figure": round(share, 4)}]
 
 
 def _per_second(count: float, duration: float) -> float:
@@ -160,6 +263,7 @@ def summarize(
     }
     for name in LATENCY_METRICS:
         summary.update(_stats(name, values[name], percentiles))
+    summary.update(decode_stats(ok))
     return summary
 
 

@@ -247,6 +247,10 @@ class Run(SQLModel, table=True):
     connector: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
     connector_pulls: int = 0
     error: str | None = None
+    # [{code, message, figure}]: what makes the run's numbers mean less than they seem.
+    warnings: list[dict[str, Any]] | None = SQLField(default=None, sa_column=Column(JSON))
+    # The CPU thread layout of the worker that served it (None on a GPU or registered server).
+    cpu_binding: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
     idempotency_key: str | None = SQLField(default=None, unique=True)
     request_hash: str | None = None
     sweep_id: str | None = SQLField(default=None, index=True)
@@ -308,6 +312,8 @@ class Worker(SQLModel, table=True):
     external: bool = False
     vocab_size: int | None = None
     last_seen_at: datetime | None = None
+    # CPU workers: {"env": the binding variables it ran with, "omp_cores", "reserved_cores"}.
+    cpu_binding: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
 
 
 # --- public shapes --------------------------------------------------------------------
@@ -319,6 +325,14 @@ class Progress(BaseModel):
     completed: int
     failed: int
     total: int
+
+
+class RunWarning(BaseModel):
+    """Something that makes a run's numbers mean less than they seem, with the figure that shows it."""
+
+    code: str
+    message: str
+    figure: float | None = None
 
 
 class RunPublic(BaseModel):
@@ -334,6 +348,8 @@ class RunPublic(BaseModel):
     progress: Progress
     summary: dict[str, Any] | None
     connector: dict[str, Any] | None
+    warnings: list[RunWarning]
+    cpu_binding: dict[str, Any] | None
     error: str | None
 
     @classmethod
@@ -352,6 +368,8 @@ class RunPublic(BaseModel):
             progress=Progress(completed=run.completed, failed=run.failed, total=run.total),
             summary=run.summary,
             connector=connector,
+            warnings=[RunWarning(**w) for w in run.warnings or []],
+            cpu_binding=run.cpu_binding,
             error=run.error,
         )
 
@@ -401,6 +419,7 @@ class WorkerPublic(BaseModel):
     stopped_at: datetime | None
     error: str | None
     log_path: str
+    cpu_binding: dict[str, Any] | None = None
 
 
 _HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9-]{1,63})*|[0-9A-Fa-f:.]+)$")

@@ -27,6 +27,9 @@ METRIC_GROUPS: list[tuple[str, list[str]]] = [
     ("Throughput", ["request_throughput", "request_goodput", "output_throughput",
                     "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests"]),
     ("Counts", ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens"]),
+    # Gaps while no request waited for its first token: decode without other prefills (ms).
+    ("Decode only (steady window)", ["decode_median_tpot_ms", "decode_p99_tpot_ms",
+                                     "decode_median_itl_ms", "decode_p99_itl_ms", "decode_gaps"]),
 ]
 LATENCIES = ["ttft", "tpot", "itl", "e2el"]
 STATS = ["mean", "median", "std", "p50", "p90", "p95", "p99"]

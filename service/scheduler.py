@@ -25,7 +25,7 @@ from sqlmodel import Session, col
 from service import store
 from service.launcher import Launcher, WorkerError, WorkerHandle
 from service.loadgen import LoadGenerator, make_plan
-from service.metrics import Sample, summarize
+from service.metrics import Sample, run_warnings, summarize
 from service.models import RunSpec, RunStatus, Worker, utcnow
 from service.settings import Settings
 
@@ -281,7 +281,7 @@ class Scheduler:
                 session.commit()
             # The worker id goes in before the first request: the connector's
             # pull is only answered for runs assigned to the asking worker.
-            store.update_fields(self.engine, run_id, worker_id=handle.id)
+            store.update_fields(self.engine, run_id, worker_id=handle.id, cpu_binding=handle.cpu_binding)
             needed = spec.longest_request_tokens()
             if handle.kv_tokens is not None and needed > handle.kv_tokens:
                 store.transition(
@@ -322,6 +322,7 @@ class Scheduler:
             store.transition(
                 self.engine, run_id, RunStatus.succeeded, summary=summary,
                 completed=len(ok), failed=len(samples) - len(ok),
+                warnings=run_warnings(samples, summary),
             )
         except asyncio.CancelledError:
             store.save_samples(self.engine, run_id, samples)

@@ -10,7 +10,10 @@ Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers
 ``STUB_CRASH_AFTER`` (the process dies in the middle of that request's stream),
 ``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, /health hangs too),
 ``STUB_IGNORE_SIGTERM`` (only SIGKILL stops it), ``STUB_GRANDCHILD`` (spawns a
-long-lived grandchild in its process group; its pid goes to /stub/requests).
+long-lived grandchild in its process group; its pid goes to /stub/requests),
+``STUB_BUNCHED`` (each stream is made at the usual pace but sent in one write at its
+end, as a starved client or a buffering proxy would see it). ``/stub/requests``
+also shows the process's pid and the vLLM CPU binding variables it was started with.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
     app = FastAPI()
     started = time.monotonic()
     state: dict[str, Any] = {"requests": 0, "open": 0, "hung": False, "grandchild": None,
-                             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                             "pid": os.getpid(),
+                             "cpu_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}}
+    bunched = bool(os.environ.get("STUB_BUNCHED"))
     crash_after = int(os.environ.get("STUB_CRASH_AFTER", "0"))
     hang_after = int(os.environ.get("STUB_HANG_AFTER_TOKENS", "0"))
     if os.environ.get("STUB_GRANDCHILD"):
@@ -78,6 +84,7 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
 
         async def stream() -> AsyncIterator[bytes]:
             state["open"] += 1
+            held: list[bytes] = []
             try:
                 for i in range(n_out):
                     if crash_after and number >= crash_after and i == n_out // 2:
@@ -90,7 +97,13 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
                     await asyncio.sleep(interval)
                     chunk = {"id": "cmpl-stub", "object": "text_completion",
                              "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
-                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                    event = f"data: {json.dumps(chunk)}\n\n".encode()
+                    if bunched:
+                        held.append(event)
+                    else:
+                        yield event
+                if held:
+                    yield b"".join(held)
                 usage = {"prompt_tokens": n_in, "completion_tokens": n_out,
                          "total_tokens": n_in + n_out}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()

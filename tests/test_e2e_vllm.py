@@ -172,6 +172,15 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert summary["output_throughput"] > 0
     # The connector asked the service for this run's parameters (once: they are cached).
     assert first["connector"]["pulls"] == 1
+    # vLLM bound the worker the way the service asked: one core reserved, as for a server
+    # without a connector (service/cpu_binding.py), not none.
+    binding = first["cpu_binding"]
+    assert binding["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    if len(os.sched_getaffinity(0)) > 1:
+        assert len(binding["reserved_cores"]) == 1
+        assert binding["omp_cores"]["0"] and not set(binding["omp_cores"]["0"]) & set(
+            binding["reserved_cores"])
+    assert first["warnings"] == [] or first["warnings"][0]["code"] == "bunched_streams"
 
     second = _run(service, input_len=4096, output_len=32, num_prompts=8, max_concurrency=4,
                   fill={"mean": 0.5, "std": 0.0})

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.metrics import Sample, export_vllm, summarize
+from service.metrics import Sample, decode_stats, export_vllm, is_bunched, run_warnings, summarize
 
 HERE = Path(__file__).resolve()
 REFERENCE_BESIDE = HERE.parents[2] / "shared/reference/vllm-bench-serve-result.json"
@@ -23,6 +23,10 @@ DESIGN_KEYS = {
     f"{stat}_{metric}_ms"
     for stat in ("mean", "median", "std", "p50", "p90", "p95", "p99")
     for metric in ("ttft", "tpot", "itl", "e2el")
+}
+# Beyond vLLM's keys: the steady decode window (DESIGN.md, "Metrics").
+DECODE_KEYS = {"decode_gaps"} | {
+    f"decode_{stat}_{metric}_ms" for stat in ("mean", "median", "p99") for metric in ("itl", "tpot")
 }
 
 
@@ -53,7 +57,51 @@ def _four() -> list[Sample]:
 
 
 def test_summary_has_exactly_the_design_keys() -> None:
-    assert set(summarize(_four(), 2.0)) == DESIGN_KEYS
+    assert set(summarize(_four(), 2.0)) == DESIGN_KEYS | DECODE_KEYS
+
+
+def test_decode_window_leaves_out_gaps_while_another_request_waits_for_its_first_token() -> None:
+    # A starts at 0, first token at 0.1, then gaps of 10 ms up to 0.15 (5 gaps).
+    # B starts at 0.12 and waits until 0.14: A's gaps ending in (0.12, 0.14] or
+    # starting before 0.14 overlap B's wait: (0.11,0.12] no, (0.12,0.13] yes, (0.13,0.14] yes,
+    # (0.14,0.15] no. B's own gaps after 0.14 are 20 ms each, none overlapped.
+    a = _ok(0, 10, 6, 0.1, [0.01] * 5, start=0.0)
+    b = _ok(1, 10, 3, 0.02, [0.02, 0.02], start=0.12)
+    d = decode_stats([a, b])
+    assert d["decode_gaps"] == 3 + 2
+    assert d["decode_median_itl_ms"] == pytest.approx(10.0)
+    # Per request: A's steady gaps average 10 ms, B's 20 ms; the median of two is 15.
+    assert d["decode_median_tpot_ms"] == pytest.approx(15.0)
+    assert summarize([a, b], 1.0)["decode_gaps"] == 5
+
+
+def test_decode_window_of_one_request_is_all_its_gaps() -> None:
+    a = _ok(0, 10, 4, 0.5, [0.02, 0.03, 0.04], start=1.0)
+    d = decode_stats([a])
+    assert d["decode_gaps"] == 3
+    assert d["decode_mean_itl_ms"] == pytest.approx(30.0)
+    assert d["decode_median_tpot_ms"] == pytest.approx(30.0)
+
+
+def test_a_stream_that_arrived_at_once_is_bunched_and_warns() -> None:
+    streamed = [_ok(i, 10, 9, 0.05, [0.004] * 8, start=float(i)) for i in range(9)]
+    together = _ok(9, 10, 9, 0.08, [1e-5] * 8, start=9.0)
+    assert not any(is_bunched(s) for s in streamed)
+    assert is_bunched(together)
+    runs = [*streamed, together]
+    (warning,) = run_warnings(runs, summarize(runs, 10.0))
+    assert warning["code"] == "bunched_streams"
+    assert warning["figure"] == pytest.approx(0.1)
+    assert run_warnings(streamed, summarize(streamed, 10.0)) == []
+
+
+def test_a_client_reading_every_fourth_step_is_bunched_but_jitter_is_not() -> None:
+    # Three of every four chunks reach the client together with the fourth.
+    every_fourth = _ok(0, 10, 9, 0.05, [0.016, 1e-5, 1e-5, 1e-5] * 2, start=0.0)
+    # Uneven but real engine steps: 2 ms and 6 ms in turn.
+    jitter = _ok(1, 10, 9, 0.05, [0.002, 0.006] * 4, start=0.0)
+    assert is_bunched(every_fourth)
+    assert not is_bunched(jitter)
 
 
 def test_failed_requests_are_counted_but_left_out_of_tokens_and_latencies() -> None:
@@ -269,7 +317,7 @@ def test_summary_equals_vllm_calculate_metrics() -> None:
     assert 0 < theirs.request_goodput < theirs.request_throughput
     assert any(s.success and s.ttft == 0.9 for s in samples)
     assert any(s.success and s.output_tokens == 0 for s in samples)
-    assert set(expected) == set(ours) - {"duration"}
+    assert set(expected) == set(ours) - {"duration"} - DECODE_KEYS
     for key, value in expected.items():
         assert ours[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     exported = export_vllm(ours, samples, {"model": "m"})
