@@ -141,9 +141,11 @@ def _token_times(s: Sample) -> np.ndarray:
     return np.cumsum(np.array([s.start_time + s.ttft, *s.itl], dtype=np.float64))
 
 
-def steady_gaps(samples: Sequence[Sample]) -> list[np.ndarray]:
+def steady_gaps(samples: Sequence[Sample], min_decoding: int = 0) -> list[np.ndarray]:
     """Per successful request (in order), its gaps during which no request of the run was
-    waiting for its first token (seconds)."""
+    waiting for its first token (seconds). With ``min_decoding``, only gaps throughout which
+    at least that many requests were decoding (first token seen, last not yet): the batch
+    size a point asks for (costs requests x gaps; for analysis, not for every summary)."""
     ok = [s for s in samples if s.success]
     if not ok:
         return []
@@ -157,20 +159,26 @@ def steady_gaps(samples: Sequence[Sample]) -> list[np.ndarray]:
             starts.append(lo)
             ends.append(hi)
     w_start, w_end = np.asarray(starts), np.asarray(ends)
+    all_times = [_token_times(s) for s in ok]
+    first = np.array([t[0] for t in all_times])
+    last = np.array([t[-1] for t in all_times])
     out = []
-    for s in ok:
-        times = _token_times(s)
+    for s, times in zip(ok, all_times, strict=True):
         gaps = np.asarray(s.itl, dtype=np.float64)
         # The last wait that began before the gap ended; it overlaps if it ends after the gap began.
         j = np.searchsorted(w_start, times[1:], side="left") - 1
-        busy = (j >= 0) & (w_end[np.maximum(j, 0)] > times[:-1])
-        out.append(gaps[~busy])
+        keep = ~((j >= 0) & (w_end[np.maximum(j, 0)] > times[:-1]))
+        if min_decoding > 1:
+            decoding = (first[None, :] <= times[:-1, None]) & (last[None, :] >= times[1:, None])
+            keep &= decoding.sum(axis=1) >= min_decoding
+        out.append(gaps[keep])
     return out
 
 
-def decode_stats(samples: Sequence[Sample]) -> Summary:
-    """ITL and TPOT over the steady decode window (see the module docstring), in ms."""
-    per_request = steady_gaps(samples)
+def decode_stats(samples: Sequence[Sample], min_decoding: int = 0) -> Summary:
+    """ITL and TPOT over the steady decode window (see the module docstring), in ms;
+    ``min_decoding`` as for ``steady_gaps``."""
+    per_request = steady_gaps(samples, min_decoding)
     itl = np.concatenate(per_request) if per_request else np.zeros(0)
     tpot = np.array([g.mean() for g in per_request if g.size], dtype=np.float64)
     out: Summary = {"decode_gaps": int(itl.size)}

@@ -103,6 +103,12 @@ def test_a_stream_sent_all_at_once_warns_that_its_itl_means_nothing(
         assert export["decodebench"]["warnings"][0]["code"] == "bunched_streams"
         rows = client.get(f"/api/runs/{run['id']}/export?format=csv").text.splitlines()
         assert all(row.split(",")[-2] == "True" for row in rows[1:])
+        # A sweep point that did not stream says so on the sweep page.
+        sweep = client.post("/api/sweeps", json={"base": {**SMALL, "output_len": 16},
+                                                  "grid": {"input_len": [32]}}).json()
+        (point,) = sweep["runs"]
+        assert wait_finished(client, point["id"])["warnings"][0]["code"] == "bunched_streams"
+        assert "bunched_streams" in client.get(f"/sweeps/{sweep['id']}").text
 
 
 def test_a_run_that_streamed_has_no_warning(client: TestClient) -> None:

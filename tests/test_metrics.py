@@ -75,6 +75,16 @@ def test_decode_window_leaves_out_gaps_while_another_request_waits_for_its_first
     assert summarize([a, b], 1.0)["decode_gaps"] == 5
 
 
+def test_full_batch_window_keeps_gaps_while_every_slot_decodes() -> None:
+    # A decodes from 0.10 to 0.15 (10 ms gaps); B waits 0.00-0.12, then decodes 0.12-0.16
+    # (20 ms gaps). Steady: A's last three gaps and both of B's. Both decoding throughout:
+    # A's last three, and B's first (0.12-0.14); B's last (0.14-0.16) outlives A.
+    a = _ok(0, 10, 6, 0.1, [0.01] * 5, start=0.0)
+    b = _ok(1, 10, 3, 0.12, [0.02, 0.02], start=0.0)
+    assert decode_stats([a, b])["decode_gaps"] == 3 + 2
+    assert decode_stats([a, b], min_decoding=2)["decode_gaps"] == 3 + 1
+
+
 def test_decode_window_of_one_request_is_all_its_gaps() -> None:
     a = _ok(0, 10, 4, 0.5, [0.02, 0.03, 0.04], start=1.0)
     d = decode_stats([a])
