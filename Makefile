@@ -45,8 +45,8 @@ lint: setup-dev
 test: setup-dev browser compose-tool lint
 	$(PY) -m pytest -x -q
 
-# token_stub.py is the loadgen benchmark's server, not a benchmark of its own.
-BENCHES := $(filter-out benchmarks/token_stub.py,$(wildcard benchmarks/*.py))
+# token_stub.py (the stub server) and harness.py (process helpers) are not benchmarks.
+BENCHES := $(filter-out benchmarks/token_stub.py benchmarks/harness.py,$(wildcard benchmarks/*.py))
 
 bench: setup
 	@for script in $(BENCHES); do echo "== $$script"; $(PY) $$script || exit 1; done

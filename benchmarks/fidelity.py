@@ -11,7 +11,7 @@ seed for every arm, point and trial so no request ever hits another's prefix cac
   worker the service starts with its connector.
 
 The reference server is started with exactly the product worker's engine flags
-(``service.launcher.engine_flags``) and CPU binding (``service.cpu_binding``),
+(``service.vllm_cli.engine_flags``) and CPU binding (``service.cpu_binding``),
 minus the connector. Two vLLM CPU servers alive at once disturb each other on a
 small machine even when one is idle, so the one not being measured is paused
 (SIGSTOP to its process group) and resumed (SIGCONT) around each measurement.
@@ -64,10 +64,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from service.cpu_binding import BINDING_VARS, binding_env  # noqa: E402
-from service.launcher import engine_flags  # noqa: E402
 from service.metrics import Sample, decode_stats, is_bunched, summarize  # noqa: E402
 from service.models import EngineSpec  # noqa: E402
 from service.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
+from service.vllm_cli import engine_flags  # noqa: E402
 
 TOKEN = "fidelity-benchmark-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -2,11 +2,14 @@
 known inter-token interval.
 
 The stub (``token_stub.py``, its own process) streams one token every
-``--interval`` seconds per request. At each concurrency level both clients send
-the same number of requests, one after the other in this process; the table
-shows achieved output tokens/s and how far each client's median ITL is from the
-stub's true interval. A client that cannot keep up reports lower throughput and
-inflated ITLs: its own limit, not the server's.
+``--interval`` seconds per request. At each concurrency level three clients send
+the same number of requests, one after the other: vLLM's client and our load
+generator class in this process, and the service's real driver path (driver
+processes from ``service.driver``, sharded one per 256 streams, at most one per
+core, samples streamed back over their pipes). The table shows achieved output
+tokens/s and how far each client's median ITL is from the stub's true interval. A
+client that cannot keep up reports lower throughput and inflated ITLs: its own
+limit, not the server's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from vllm.benchmarks.lib.endpoint_request_func import (
     async_request_openai_completions,
 )
 
+from service.driver import DriverPool, Drivers, shard_count
 from service.loadgen import LoadGenerator, make_plan
 from service.metrics import Sample
 from service.models import RunSpec
@@ -49,6 +54,21 @@ async def _ours(url: str, concurrency: int, requests: int, tokens: int) -> tuple
         duration = await generator.measure(plan, samples.append)
     finally:
         await generator.aclose()
+    assert all(s.success for s in samples), samples[0].error
+    return sum(s.output_tokens for s in samples) / duration, [g for s in samples for g in s.itl]
+
+
+async def _driver(url: str, concurrency: int, requests: int, tokens: int) -> tuple[float, list[float]]:
+    spec = RunSpec(input_len=8, output_len=tokens, num_prompts=requests, max_concurrency=concurrency)
+    samples: list[Sample] = []
+    with tempfile.TemporaryDirectory(prefix="decodebench-loadgen-") as logs:
+        pool = DriverPool(Path(logs))
+        pool.start()
+        try:
+            drivers = Drivers.for_run("r-bench", spec, url, "stub", 1000, 120, pool, hang_s=60)
+            duration = await drivers.run(samples.append)
+        finally:
+            await pool.close()
     assert all(s.success for s in samples), samples[0].error
     return sum(s.output_tokens for s in samples) / duration, [g for s in samples for g in s.itl]
 
@@ -76,7 +96,7 @@ async def _vllm(url: str, concurrency: int, requests: int, tokens: int) -> tuple
 def main() -> None:
     """Run the levels and print the table."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--levels", default="16,64,256")
+    parser.add_argument("--levels", default="16,64,256,1024")
     parser.add_argument("--interval", type=float, default=0.05)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x level")
@@ -98,9 +118,10 @@ def main() -> None:
         ideal = 1 / args.interval
         print(f"stub: one token every {args.interval * 1000:.0f} ms per stream "
               f"({ideal:.0f} tok/s per stream), {args.tokens} tokens per request")
-        print(f"{'streams':>8}{'ideal tok/s':>13}{'ours tok/s':>12}{'vllm tok/s':>12}"
-              f"{'ours/vllm':>11}{'ours ITL err':>14}{'vllm ITL err':>14}")
-        ratio = err_ours = 0.0
+        print("| streams | shards | ideal tok/s | vllm tok/s | class tok/s | driver tok/s | class/vllm "
+              "| driver/vllm | vllm ITL err | class ITL err | driver ITL err |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        ratio = err_driver = 0.0
         level = 0
         for level in (int(x) for x in args.levels.split(",")):
             n = level * args.rounds
@@ -112,13 +133,21 @@ def main() -> None:
             gc.collect()
             gc.freeze()
             ours_tps, ours_itl = asyncio.run(_ours(url, level, n, args.tokens))
-            err_ours = abs(statistics.median(ours_itl) - args.interval) / args.interval * 100
-            err_vllm = abs(statistics.median(vllm_itl) - args.interval) / args.interval * 100
-            ratio = ours_tps / vllm_tps
-            print(f"{level:>8}{ideal * level:>13.0f}{ours_tps:>12.0f}{vllm_tps:>12.0f}"
-                  f"{ratio:>10.2f}x{err_ours:>13.1f}%{err_vllm:>13.1f}%")
-        print(f"loadgen: ours/vllm throughput at max concurrency {level} {ratio:.2f}x; "
-              f"ours median ITL error {err_ours:.1f}%")
+            gc.collect()
+            gc.freeze()
+            driver_tps, driver_itl = asyncio.run(_driver(url, level, n, args.tokens))
+
+            def err(itl: list[float]) -> float:
+                return abs(statistics.median(itl) - args.interval) / args.interval * 100
+
+            ratio = driver_tps / vllm_tps
+            err_driver = err(driver_itl)
+            shards = shard_count(RunSpec(num_prompts=n, max_concurrency=level))
+            print(f"| {level} | {shards} | {ideal * level:.0f} | {vllm_tps:.0f} | {ours_tps:.0f} "
+                  f"| {driver_tps:.0f} | {ours_tps / vllm_tps:.2f}x | {ratio:.2f}x | {err(vllm_itl):.1f}% "
+                  f"| {err(ours_itl):.1f}% | {err_driver:.1f}% |", flush=True)
+        print(f"loadgen: driver/vllm throughput at max concurrency {level} {ratio:.2f}x; "
+              f"driver median ITL error {err_driver:.1f}%")
     finally:
         gc.unfreeze()
         stub.terminate()

@@ -12,107 +12,34 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+from harness import MODEL, service_with_stubs
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-TOKEN = "bench-token-" + "x" * 24
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-MODEL = "bench/remote"
 RUN = {"model": MODEL, "input_len": 16, "output_len": 2, "num_prompts": 1, "max_concurrency": 1}
 SWEEP = {"base": RUN, "grid": {"input_len": list(range(16, 16 + 64)), "fill.mean": [0.1, 0.2, 0.3, 0.4]}}
 SWEEP_RUNS = 256
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with code {proc.returncode}")
-        try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not answer") from None
-            time.sleep(0.05)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def measure(workers: int, submits: int) -> dict[str, float]:
     """On a fresh service with ``workers`` registered stub servers: time ``submits`` runs
     posted one by one, then a sweep of 256 one-request runs from its POST to its last end."""
-    procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory(prefix="decodebench-schedule-") as tmp:
-        port = _free_port()
-        env = {**os.environ, "DECODEBENCH_DATA_DIR": str(Path(tmp) / "var"),
-               "DECODEBENCH_PORT": str(port), "DECODEBENCH_API_TOKEN": TOKEN,
-               "DECODEBENCH_GPUS": "", "DECODEBENCH_VLLM_COMMAND": "/bin/false",
-               "DECODEBENCH_WORKER_PROBE_S": "1"}
-        base = f"http://127.0.0.1:{port}"
-        try:
-            service = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=env,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       start_new_session=True)
-            procs.append(service)
-            _wait_http(f"{base}/healthz", service)
-            with httpx.Client(base_url=base, headers=AUTH, timeout=60) as client:
-                ids = []
-                for _ in range(workers):
-                    stub_port = _free_port()
-                    stub = subprocess.Popen(
-                        [sys.executable, str(HERE / "token_stub.py"), "--port", str(stub_port),
-                         "--interval", "0.001", "--served-model-name", MODEL],
-                        start_new_session=True)
-                    procs.append(stub)
-                    _wait_http(f"http://127.0.0.1:{stub_port}/health", stub)
-                    answer = client.post("/api/workers", json={
-                        "url": f"http://127.0.0.1:{stub_port}", "model": MODEL})
-                    answer.raise_for_status()
-                    ids.append(answer.json()["id"])
-                deadline = time.monotonic() + 30
-                while not all(client.get(f"/api/workers/{i}").json()["status"] == "ready" for i in ids):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("registered stubs never became ready")
-                    time.sleep(0.1)
-
-                # One POST per run, as a script submitting runs one by one would.
-                started = time.perf_counter()
-                for _ in range(submits):
-                    client.post("/api/runs", json=RUN).raise_for_status()
-                submitted = time.perf_counter() - started
-                _wait_succeeded(client, submits)
-                # A sweep queues all its runs at once: what is left is scheduling and running.
-                started = time.perf_counter()
-                client.post("/api/sweeps", json=SWEEP).raise_for_status()
-                _wait_succeeded(client, submits + SWEEP_RUNS)
-                elapsed = time.perf_counter() - started
-        finally:
-            for proc in reversed(procs):
-                _stop(proc)
+    with tempfile.TemporaryDirectory(prefix="decodebench-schedule-") as tmp, \
+            service_with_stubs(Path(tmp) / "var", workers) as (client, _, _):
+        # One POST per run, as a script submitting runs one by one would.
+        started = time.perf_counter()
+        for _ in range(submits):
+            client.post("/api/runs", json=RUN).raise_for_status()
+        submitted = time.perf_counter() - started
+        _wait_succeeded(client, submits)
+        # A sweep queues all its runs at once: what is left is scheduling and running.
+        started = time.perf_counter()
+        client.post("/api/sweeps", json=SWEEP).raise_for_status()
+        _wait_succeeded(client, submits + SWEEP_RUNS)
+        elapsed = time.perf_counter() - started
     return {"submit_per_s": submits / submitted, "runs_per_s": SWEEP_RUNS / elapsed, "seconds": elapsed}
 
 

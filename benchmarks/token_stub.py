@@ -18,6 +18,18 @@ except ImportError:  # pragma: no cover - uvloop ships with vLLM
     uvloop = None  # type: ignore[assignment]
 
 
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """A request body sent with ``Transfer-Encoding: chunked``."""
+    parts = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+
+
 async def _handle(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float, served: bytes
 ) -> None:
@@ -25,10 +37,18 @@ async def _handle(
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
             length = 0
+            chunked = False
             for line in head.split(b"\r\n"):
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":", 1)[1])
-            body = json.loads(await reader.readexactly(length)) if length else {}
+                elif line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
+                    chunked = True
+            raw = await _read_chunked(reader) if chunked else await reader.readexactly(length)
+            body = json.loads(raw) if raw else {}
+            # Keep only what the answer needs: a long prompt is not held while streaming.
+            prompt_tokens = len(body.get("prompt", []))
+            max_tokens = int(body.get("max_tokens", 16))
+            del body, raw
             if not head.startswith(b"POST"):
                 # /v1/models names the served model (a registered worker's probe checks it).
                 answer = b"{}"
@@ -37,7 +57,7 @@ async def _handle(
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
                 await writer.drain()
                 continue
-            n = int(body.get("max_tokens", 16))
+            n = max_tokens
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             event = b'data: {"choices":[{"index":0,"text":" x","finish_reason":null}]}\n\n'
@@ -47,7 +67,7 @@ async def _handle(
                 if delay > 0:
                     await asyncio.sleep(delay)
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-            usage = json.dumps({"choices": [], "usage": {"prompt_tokens": len(body.get("prompt", [])),
+            usage = json.dumps({"choices": [], "usage": {"prompt_tokens": prompt_tokens,
                                                          "completion_tokens": n}})
             tail = f"data: {usage}\n\ndata: [DONE]\n\n".encode()
             writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))

@@ -8,13 +8,13 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from sqlalchemy import Engine, func, text
+from sqlalchemy import func, text
 from sqlmodel import Session, col, select
 
 from service import store
 from service.auth import require_admin, require_reader, require_worker
+from service.deps import DB, Sched
 from service.errors import ERROR_RESPONSES, Conflict, NotFound
-from service.launcher import serve_command
 from service.metrics import export_vllm, is_bunched
 from service.models import (
     FINISHED,
@@ -33,27 +33,11 @@ from service.models import (
     WorkerRegister,
     WorkerRegistered,
 )
-from service.scheduler import Scheduler
+from service.vllm_cli import serve_command
 
 router = APIRouter(responses=ERROR_RESPONSES)
 ADMIN = [Depends(require_admin)]
 READ = [Depends(require_reader)]
-
-
-def get_engine(request: Request) -> Engine:
-    """The app's database engine."""
-    engine: Engine = request.app.state.engine
-    return engine
-
-
-def get_scheduler(request: Request) -> Scheduler:
-    """The app's scheduler."""
-    scheduler: Scheduler = request.app.state.scheduler
-    return scheduler
-
-
-DB = Annotated[Engine, Depends(get_engine)]
-Sched = Annotated[Scheduler, Depends(get_scheduler)]
 
 
 @router.post(
@@ -171,31 +155,18 @@ def export_run(
     )
 
 
-def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
-    """A sweep with its runs and how far they got."""
-    sweep, runs = store.get_sweep(engine, sweep_id)
-    progress = {status.value: 0 for status in RunStatus}
-    for run in runs:
-        progress[run.status] += 1
-    progress["total"] = len(runs)
-    progress["finished"] = sum(progress[s.value] for s in FINISHED)
-    progress["infeasible"] = sum(bool(r.error and r.error.startswith("infeasible")) for r in runs)
-    return SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
-                       progress=progress, runs=[RunPublic.of(r) for r in runs])
-
-
 @router.post("/api/sweeps", status_code=201, response_model=SweepPublic, dependencies=ADMIN)
 def submit_sweep(body: SweepCreate, engine: DB, scheduler: Sched) -> SweepPublic:
     """Queue one run per point of a grid over a base spec."""
     sweep = store.create_sweep(engine, body)
     scheduler.notify()
-    return sweep_public(engine, sweep.id)
+    return store.sweep_public(engine, sweep.id)
 
 
 @router.get("/api/sweeps/{sweep_id}", response_model=SweepPublic, dependencies=READ)
 def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
     """A sweep: its grid, progress and runs."""
-    return sweep_public(engine, sweep_id)
+    return store.sweep_public(engine, sweep_id)
 
 
 @router.get("/api/workers", response_model=list[WorkerPublic], dependencies=READ)

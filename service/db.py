@@ -47,7 +47,25 @@ def make_engine(path: Path) -> Engine:
 
     SQLModel.metadata.create_all(engine)
     add_missing_columns(engine)
+    add_sample_unique_index(engine)
     return engine
+
+
+def add_sample_unique_index(engine: Engine) -> None:
+    """Give a database made before samples were unique per (run, index) that index,
+    keeping the first copy of any sample stored twice."""
+    from service.models import SAMPLE_UNIQUE_INDEX
+
+    with engine.begin() as conn:
+        have = {i["name"] for i in inspect(conn).get_indexes("sample")}
+        if SAMPLE_UNIQUE_INDEX in have:
+            return
+        conn.exec_driver_sql(
+            'DELETE FROM sample WHERE id NOT IN (SELECT MIN(id) FROM sample GROUP BY run_id, "index")'
+        )
+        conn.exec_driver_sql(
+            f'CREATE UNIQUE INDEX IF NOT EXISTS {SAMPLE_UNIQUE_INDEX} ON sample (run_id, "index")'
+        )
 
 
 def add_missing_columns(engine: Engine) -> list[str]:

@@ -6,6 +6,12 @@ reuses prefix-cache blocks another run filled. Timing follows vLLM's client: the
 clock starts after the concurrency slot is taken, just before the POST; TTFT is
 the first streamed chunk with choices, ITL the gaps between later ones, latency
 ends at the last such chunk.
+
+Memory stays flat at any context length: a plan holds only lengths and arrival
+offsets (numpy arrays); each prompt is drawn when its request is sent, from
+(seed, request position), in fixed blocks, and a long one is streamed to the server
+block by block (chunked transfer encoding) so no whole prompt is ever held, as
+Python ints or as JSON. The same seed gives the same prompts and schedule.
 """
 
 from __future__ import annotations
@@ -14,64 +20,117 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
+from pydantic import BaseModel
 
 from service.metrics import Sample
-from service.models import RunSpec
 from service.tinymodel import FIRST_ORDINARY_ID
+
+if TYPE_CHECKING:
+    from service.models import RunSpec
 
 # Without a known vocabulary, draw ids below this bound: every current LLM vocabulary is larger.
 DEFAULT_VOCAB_BOUND = 32_000
+# Prompt ids are drawn, encoded and sent this many at a time. Part of what a seed means:
+# changing it changes every prompt longer than one block.
+PROMPT_BLOCK = 8192
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """What to send: prompts, output lengths and arrival offsets (s) of measured requests."""
+    """What to send: per request position (warmups first, then measured requests) its
+    input and output length, and the measured requests' arrival offsets (s)."""
 
-    prompts: list[list[int]]
-    output_lens: list[int]
-    offsets: list[float]
-    warmup_prompts: list[list[int]]
-    warmup_output_lens: list[int]
+    seed: int
+    vocab_high: int
+    input_lens: np.ndarray
+    output_lens: np.ndarray
+    offsets: np.ndarray
+    warmups: int
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (
+            (self.seed, self.vocab_high, self.warmups) == (other.seed, other.vocab_high, other.warmups)
+            and all(np.array_equal(getattr(self, k), getattr(other, k))
+                    for k in ("input_lens", "output_lens", "offsets"))
+        )
+
+    @property
+    def measured(self) -> int:
+        """How many measured requests the plan has."""
+        return len(self.input_lens) - self.warmups
+
+    def prompt_blocks(self, position: int) -> Iterator[np.ndarray]:
+        """The prompt of the request at ``position``, drawn block by block."""
+        rng = np.random.default_rng([self.seed, position])
+        n = int(self.input_lens[position])
+        for start in range(0, n, PROMPT_BLOCK):
+            yield rng.integers(FIRST_ORDINARY_ID, self.vocab_high,
+                               size=min(PROMPT_BLOCK, n - start), dtype=np.int64)
+
+    def prompt(self, position: int) -> list[int]:
+        """The whole prompt of the request at ``position`` (for checks; sending streams it)."""
+        return [int(t) for block in self.prompt_blocks(position) for t in block]
 
 
-def _lengths(rng: np.random.Generator, center: int, ratio: float, n: int) -> list[int]:
+class LoadShape(BaseModel):
+    """What decides which requests are sent when: the part of a ``RunSpec`` a load
+    driver needs (the driver does not import the service's models and database layer)."""
+
+    seed: int
+    input_len: int
+    output_len: int
+    range_ratio: float
+    num_prompts: int
+    warmup_prompts: int
+    request_rate: float | None
+    burstiness: float
+    max_concurrency: int | None
+
+    @classmethod
+    def of(cls, spec: RunSpec | LoadShape) -> LoadShape:
+        """The load shape of a run's spec."""
+        return cls(**{name: getattr(spec, name) for name in cls.model_fields})
+
+
+def _lengths(rng: np.random.Generator, center: int, ratio: float, n: int) -> np.ndarray:
     low = max(1, math.floor(center * (1 - ratio)))
     high = max(low, math.floor(center * (1 + ratio)))
-    return [int(x) for x in rng.integers(low, high + 1, size=n)]
+    return rng.integers(low, high + 1, size=n)
 
 
-def make_plan(spec: RunSpec, vocab_size: int | None) -> Plan:
+def make_plan(spec: RunSpec | LoadShape, vocab_size: int | None) -> Plan:
     """Build the seeded request schedule for ``spec``; the same seed gives the same plan."""
     rng = np.random.default_rng(spec.seed)
-    high = vocab_size if vocab_size is not None else DEFAULT_VOCAB_BOUND
     total = spec.warmup_prompts + spec.num_prompts
     input_lens = _lengths(rng, spec.input_len, spec.range_ratio, total)
     output_lens = _lengths(rng, spec.output_len, spec.range_ratio, total)
-    prompts = [rng.integers(FIRST_ORDINARY_ID, high, size=n).tolist() for n in input_lens]
     if spec.request_rate is None:
-        offsets = [0.0] * spec.num_prompts
+        offsets = np.zeros(spec.num_prompts)
     else:
         # Gamma gaps with mean 1/rate; shape = burstiness (1.0 is Poisson).
         scale = 1.0 / (spec.request_rate * spec.burstiness)
         gaps = rng.gamma(spec.burstiness, scale, size=spec.num_prompts)
-        offsets = [0.0, *np.cumsum(gaps[:-1]).tolist()]
-    w = spec.warmup_prompts
+        offsets = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
     return Plan(
-        prompts=prompts[w:],
-        output_lens=output_lens[w:],
+        seed=spec.seed,
+        vocab_high=vocab_size if vocab_size is not None else DEFAULT_VOCAB_BOUND,
+        input_lens=input_lens,
+        output_lens=output_lens,
         offsets=offsets,
-        warmup_prompts=prompts[:w],
-        warmup_output_lens=output_lens[:w],
+        warmups=spec.warmup_prompts,
     )
 
 
 class LoadGenerator:
-    """Drives one run's requests against one OpenAI-compatible server.
+    """Drives requests of one run against one OpenAI-compatible server.
 
     aiohttp, not httpx: on a 2-core machine httpx's per-chunk overhead made the
     client, not the server, the limit at a few hundred streams
@@ -112,24 +171,41 @@ class LoadGenerator:
         if self._session is not None:
             await self._session.close()
 
-    def _payload(self, prompt: list[int], output_len: int) -> dict[str, object]:
-        return {
+    def _body(self, plan: Plan, position: int) -> bytes | AsyncIterator[bytes]:
+        """The request's JSON body: whole when the prompt fits one block, else a stream."""
+        rest = json.dumps({
             "model": self.served_model,
-            "prompt": prompt,
-            "max_tokens": output_len,
+            "max_tokens": int(plan.output_lens[position]),
             "ignore_eos": True,
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
             "cache_salt": self.run_id,
             "kv_transfer_params": {"decodebench_run_id": self.run_id},
-        }
+        }).encode()
+        blocks = plan.prompt_blocks(position)
 
-    async def send(self, index: int, prompt: list[int], output_len: int, due: float | None) -> Sample:
-        """Send one streaming request and measure it."""
+        def encode(block: np.ndarray) -> bytes:
+            return ",".join(map(str, block.tolist())).encode()
+
+        if int(plan.input_lens[position]) <= PROMPT_BLOCK:
+            return b'{"prompt":[' + encode(next(blocks)) + b"]," + rest[1:]
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield b'{"prompt":['
+            for i, block in enumerate(blocks):
+                yield (b"," if i else b"") + encode(block)
+                await asyncio.sleep(0)  # let other streams' tokens be timed between blocks
+            yield b"]," + rest[1:]
+
+        return stream()
+
+    async def send(self, plan: Plan, position: int, due: float | None) -> Sample:
+        """Send the request at ``position`` of ``plan`` and measure it; the sample's index
+        counts measured requests from 0."""
         sample = Sample(
-            index=index,
-            prompt_len=len(prompt),
+            index=position - plan.warmups,
+            prompt_len=int(plan.input_lens[position]),
             output_tokens=0,
             ttft=0.0,
             itl=[],
@@ -146,7 +222,9 @@ class LoadGenerator:
         got_first = False
         buffer = b""
         try:
-            async with self.session.post(self.url, json=self._payload(prompt, output_len)) as response:
+            async with self.session.post(
+                self.url, data=self._body(plan, position), headers={"Content-Type": "application/json"}
+            ) as response:
                 if response.status != 200:
                     body = (await response.read()).decode("utf-8", errors="replace")
                     sample.error = f"HTTP {response.status}: {body[:500]}"
@@ -189,34 +267,39 @@ class LoadGenerator:
 
     async def _run_all(
         self,
-        prompts: list[list[int]],
-        output_lens: list[int],
-        offsets: list[float] | None,
+        plan: Plan,
+        positions: Sequence[int],
+        start: float | None,
         on_done: Callable[[Sample], None] | None,
     ) -> float:
         slots = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
         # Make the session (and its TLS context) before the clock starts, as vLLM's client does.
         assert not self.session.closed
-        start = time.perf_counter()
+        if start is None:
+            start = time.perf_counter()
+        elif (delay := start - time.perf_counter()) > 0:
+            await asyncio.sleep(delay)
+        measured = on_done is not None
 
-        async def one(i: int) -> None:
-            due = start + offsets[i] if offsets is not None else start
+        async def one(position: int, due: float) -> None:
             if slots is None:
-                sample = await self.send(i, prompts[i], output_lens[i], due)
+                sample = await self.send(plan, position, due if measured else None)
             else:
                 async with slots:
-                    sample = await self.send(i, prompts[i], output_lens[i], due)
+                    sample = await self.send(plan, position, due if measured else None)
             if on_done is not None:
                 on_done(sample)
 
         tasks: list[asyncio.Task[None]] = []
         try:
-            for i in range(len(prompts)):
-                if offsets is not None:
-                    delay = start + offsets[i] - time.perf_counter()
+            for position in positions:
+                due = start
+                if measured:
+                    due += float(plan.offsets[position - plan.warmups])
+                    delay = due - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(i)))
+                tasks.append(asyncio.create_task(one(position, due)))
             await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
@@ -225,11 +308,23 @@ class LoadGenerator:
             raise
         return time.perf_counter() - start
 
-    async def warmup(self, plan: Plan) -> None:
-        """Send the warmup requests; their samples are dropped."""
-        if plan.warmup_prompts:
-            await self._run_all(plan.warmup_prompts, plan.warmup_output_lens, None, None)
+    async def warmup(self, plan: Plan, positions: Sequence[int] | None = None) -> None:
+        """Send the warmup requests (all, or those at ``positions``); their samples are dropped."""
+        if positions is None:
+            positions = range(plan.warmups)
+        if positions:
+            await self._run_all(plan, positions, None, None)
 
-    async def measure(self, plan: Plan, on_done: Callable[[Sample], None]) -> float:
-        """Send the measured requests on their schedule; return the duration (s)."""
-        return await self._run_all(plan.prompts, plan.output_lens, plan.offsets, on_done)
+    async def measure(
+        self,
+        plan: Plan,
+        on_done: Callable[[Sample], None],
+        positions: Sequence[int] | None = None,
+        start: float | None = None,
+    ) -> float:
+        """Send the measured requests (all, or those at ``positions``) on their schedule,
+        which begins at ``start`` (``time.perf_counter``; now by default); return the
+        time from the schedule's start to the last response's end (s)."""
+        if positions is None:
+            positions = range(plan.warmups, len(plan.input_lens))
+        return await self._run_all(plan, positions, start, on_done)

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
-from sqlalchemy import JSON, Column
+from sqlalchemy import JSON, Column, Index
 from sqlmodel import Field as SQLField
 from sqlmodel import SQLModel
 
@@ -27,6 +27,8 @@ from service.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 MAX_INPUT_LEN = 1 << 20
 MAX_OUTPUT_LEN = 1 << 16
 MAX_PROMPTS = 100_000
+# One stored sample per (run, request index); older databases get it in ``db.make_engine``.
+SAMPLE_UNIQUE_INDEX = "uq_sample_run_index"
 
 # org/name with the hub's character rules, or a bare name; no "..", no leading "-".
 _REPO_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95})(?:/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95}))?$")
@@ -266,7 +268,9 @@ class Sweep(SQLModel, table=True):
 
 
 class Sample(SQLModel, table=True):
-    """One request's raw measurement, as the client saw it."""
+    """One request's raw measurement, as the client saw it; one row per (run, index)."""
+
+    __table_args__ = (Index(SAMPLE_UNIQUE_INDEX, "run_id", "index", unique=True),)
 
     id: int | None = SQLField(default=None, primary_key=True)
     run_id: str = SQLField(foreign_key="run.id", index=True)

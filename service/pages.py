@@ -10,8 +10,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
 from service import charts, store
-from service.api import DB, sweep_public
 from service.auth import COOKIE, is_admin, require_page_reader
+from service.deps import DB
 from service.models import RunStatus, connector_totals
 
 # HTML for people, not part of the REST API's schema.
@@ -109,7 +109,7 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
 def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
     """One sweep: its grid and every run's headline numbers."""
-    sweep = sweep_public(engine, sweep_id)
+    sweep = store.sweep_public(engine, sweep_id)
     keys = list(sweep.grid)
 
     def value(spec: dict[str, Any], key: str) -> Any:

@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     worker_stop_grace_s: float = Field(default=10.0, ge=0)
     # A stream that sends nothing for this long is failed (the server hung).
     request_timeout_s: float = Field(default=600.0, gt=0)
+    # A load driver process that sends nothing (not even its heartbeat) for this long has
+    # hung: its run fails.
+    driver_hang_s: float = Field(default=15.0, gt=0)
     scheduler_poll_s: float = Field(default=0.5, gt=0)
     # How often registered (external) vLLM servers are health-probed.
     worker_probe_s: float = Field(default=5.0, gt=0)

@@ -15,26 +15,30 @@ from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy import Engine, func, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from service.db import write_session
 from service.errors import Conflict, Invalid, NotFound
-from service.launcher import hash_token
 from service.metrics import Sample as SampleData
 from service.models import (
     FINISHED,
     Run,
+    RunPublic,
     RunSpec,
     RunStatus,
     Sample,
     Sweep,
     SweepCreate,
+    SweepPublic,
     Worker,
     new_id,
     sources_of,
     utcnow,
 )
+
+SAVE_SLICE = 500
 
 
 def transition(engine: Engine, run_id: str, target: RunStatus, **fields: Any) -> bool:
@@ -125,9 +129,24 @@ def list_runs(
 
 
 def save_samples(engine: Engine, run_id: str, samples: Sequence[SampleData]) -> None:
-    """Store raw samples of a run."""
+    """Store raw samples of a run. A sample is kept once: one already stored under its
+    (run, index) is left as it is."""
+    if not samples:
+        return
+    rows = [{"run_id": run_id, **asdict(s)} for s in samples]
     with Session(engine) as session:
-        session.add_all(Sample(run_id=run_id, **asdict(s)) for s in samples)
+        # In slices: SQLite caps the variables of one statement.
+        for i in range(0, len(rows), SAVE_SLICE):
+            session.exec(sqlite_insert(Sample).values(rows[i:i + SAVE_SLICE]).on_conflict_do_nothing())
+        session.commit()
+
+
+def count_worker_run(engine: Engine, worker_id: str) -> None:
+    """Count one more run served by a worker."""
+    with Session(engine) as session:
+        session.exec(
+            update(Worker).where(col(Worker.id) == worker_id).values(runs_served=col(Worker.runs_served) + 1)
+        )
         session.commit()
 
 
@@ -239,6 +258,65 @@ def get_sweep(engine: Engine, sweep_id: str) -> tuple[Sweep, list[Run]]:
         return sweep, list(runs)
 
 
+def hash_token(token: str) -> str:
+    """The stored form of a worker token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+# A worker's status moves only along these edges: a stopped, failed or removed worker
+# never comes back (a late write from a probe or a run cannot revive it).
+WORKER_SOURCES: dict[str, tuple[str, ...]] = {
+    "ready": ("starting", "unavailable", "ready"),
+    "unavailable": ("unavailable", "ready"),
+    "stopped": ("starting", "ready"),
+    "failed": ("starting", "ready", "unavailable"),
+    "removed": ("unavailable", "ready"),
+}
+
+
+def add_worker(engine: Engine, worker: Worker) -> None:
+    """Insert a worker row (a server being started, or one registered)."""
+    with Session(engine, expire_on_commit=False) as session:
+        session.add(worker)
+        session.commit()
+
+
+def update_worker(engine: Engine, worker_id: str, **fields: Any) -> bool:
+    """Set fields of a worker in one UPDATE (no read first, so no lock upgrade to lose
+    against another writer); a status change only along ``WORKER_SOURCES``. Returns
+    whether the row changed."""
+    query = update(Worker).where(col(Worker.id) == worker_id)
+    if "status" in fields:
+        query = query.where(col(Worker.status).in_(WORKER_SOURCES[fields["status"]]))
+    with Session(engine) as session:
+        result = session.exec(query.values(**fields))
+        session.commit()
+        return bool(result.rowcount == 1)
+
+
+def take_back_registered(engine: Engine) -> list[Worker]:
+    """On start: every registered server not removed, now ``unavailable`` until a probe passes."""
+    with write_session(engine) as session:
+        rows = list(session.exec(
+            select(Worker).where(col(Worker.external).is_(True), Worker.status != "removed")
+        ).all())
+        for worker in rows:
+            worker.status = "unavailable"
+            worker.error = "service restarted; waiting for the server to answer /health"
+            session.add(worker)
+    return rows
+
+
+def local_workers_alive(engine: Engine) -> list[Worker]:
+    """Workers this service started that its records say are starting or ready."""
+    with Session(engine) as session:
+        return list(session.exec(
+            select(Worker).where(
+                col(Worker.status).in_(("starting", "ready")), col(Worker.external).is_(False)
+            )
+        ).all())
+
+
 def get_worker(engine: Engine, worker_id: str) -> Worker | None:
     """One worker row, if it exists."""
     with Session(engine) as session:
@@ -280,3 +358,16 @@ def worker_by_token(engine: Engine, token: str) -> Worker | None:
     if worker is None or not hmac.compare_digest(worker.token_hash, digest):
         return None
     return worker
+
+
+def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
+    """A sweep with its runs and how far they got."""
+    sweep, runs = get_sweep(engine, sweep_id)
+    progress = {status.value: 0 for status in RunStatus}
+    for run in runs:
+        progress[run.status] += 1
+    progress["total"] = len(runs)
+    progress["finished"] = sum(progress[s.value] for s in FINISHED)
+    progress["infeasible"] = sum(bool(r.error and r.error.startswith("infeasible")) for r in runs)
+    return SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
+                       progress=progress, runs=[RunPublic.of(r) for r in runs])

@@ -28,6 +28,32 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def driver_pids(parent: int | None = None, run_id: str | None = None) -> list[int]:
+    """Load driver processes (``python -m service.driver``) that are children of
+    ``parent`` (this process by default) and still run; with ``run_id``, only those
+    driving that run (their stderr goes to the run's driver log), not idle spares."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid != parent or b"service.driver" not in argv or not pid_alive(int(entry.name)):
+            continue
+        if run_id is not None:
+            try:
+                if f"{run_id}.driver" not in os.readlink(entry / "fd" / "2"):
+                    continue
+            except OSError:
+                continue
+        found.append(int(entry.name))
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

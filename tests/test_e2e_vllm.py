@@ -135,8 +135,9 @@ def _generate(url: str, spec: dict[str, Any]) -> list[str]:
     """What a server generates, greedily, for the prompts a run with ``spec`` sends."""
     plan = make_plan(RunSpec(**spec), VOCAB_SIZE)
     texts = []
-    for prompt, n in zip(plan.prompts, plan.output_lens, strict=True):
-        body = {"model": TINY_MODEL_NAME, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
+    for position in range(plan.warmups, len(plan.input_lens)):
+        body = {"model": TINY_MODEL_NAME, "prompt": plan.prompt(position),
+                "max_tokens": int(plan.output_lens[position]), "ignore_eos": True,
                 "temperature": 0.0}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
@@ -240,7 +241,9 @@ def test_fill_run_generates_what_vllms_decode_bench_connector_generates(
 def test_prefill_run_after_fill_run_matches_a_server_without_connector(
     service: httpx.Client, reference_servers: dict[str, str]
 ) -> None:
-    spec: dict[str, Any] = {"input_len": 1500, "output_len": 12, "num_prompts": 3,
+    # Longer than one prompt block (``service.loadgen.PROMPT_BLOCK``): the driver streams
+    # these prompts block by block, and the server must still see exactly them.
+    spec: dict[str, Any] = {"input_len": 9000, "output_len": 12, "num_prompts": 3,
                             "max_concurrency": 1, "seed": 33}
     fill = _run(service, **spec, fill={"mean": 2.0})
     prefill = _run(service, **spec, mode="prefill")

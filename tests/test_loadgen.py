@@ -18,14 +18,27 @@ def test_same_seed_gives_the_same_plan_and_another_seed_another() -> None:
     spec = RunSpec(input_len=100, output_len=20, range_ratio=0.5, num_prompts=20, request_rate=5)
     a, b = make_plan(spec, 8192), make_plan(spec, 8192)
     assert a == b
+    assert [a.prompt(i) for i in range(20)] == [b.prompt(i) for i in range(20)]
     c = make_plan(spec.model_copy(update={"seed": 1}), 8192)
-    assert c.prompts != a.prompts and c.offsets != a.offsets
+    assert c.prompt(0) != a.prompt(0) and list(c.offsets) != list(a.offsets)
+    assert a.prompt(0) != a.prompt(1)
+
+
+def test_prompts_are_drawn_when_sent_not_held_by_the_plan() -> None:
+    # 1,000 prompts of 130,000 tokens: the plan is a few arrays of lengths and offsets.
+    spec = RunSpec(input_len=130_000, output_len=128, num_prompts=1000, warmup_prompts=2, seed=7)
+    plan = make_plan(spec, 8192)
+    held = sum(getattr(plan, k).nbytes for k in ("input_lens", "output_lens", "offsets"))
+    assert held < 64 * 1024
+    prompt = plan.prompt(999)
+    assert len(prompt) == 130_000 and min(prompt) >= 3 and max(prompt) < 8192
+    assert prompt == make_plan(spec, 8192).prompt(999)
 
 
 def test_range_ratio_spreads_input_and_output_lengths_within_bounds() -> None:
     spec = RunSpec(input_len=1000, output_len=100, range_ratio=0.25, num_prompts=400)
     plan = make_plan(spec, 8192)
-    inputs = [len(p) for p in plan.prompts]
+    inputs = [len(plan.prompt(i)) for i in range(400)]
     assert min(inputs) >= 750 and max(inputs) <= 1250
     assert max(inputs) - min(inputs) > 400  # really spread, not constant
     assert min(plan.output_lens) >= 75 and max(plan.output_lens) <= 125
@@ -34,13 +47,13 @@ def test_range_ratio_spreads_input_and_output_lengths_within_bounds() -> None:
 
 def test_no_range_ratio_means_exact_lengths() -> None:
     plan = make_plan(RunSpec(input_len=777, output_len=33, num_prompts=10), 8192)
-    assert {len(p) for p in plan.prompts} == {777}
+    assert {len(plan.prompt(i)) for i in range(10)} == {777}
     assert set(plan.output_lens) == {33}
 
 
 def test_prompt_ids_stay_inside_the_vocabulary_and_skip_special_tokens() -> None:
     plan = make_plan(RunSpec(input_len=5000, num_prompts=4), 100)
-    ids = [t for p in plan.prompts for t in p]
+    ids = [t for i in range(4) for t in plan.prompt(i)]
     assert min(ids) >= 3 and max(ids) < 100
 
 
@@ -51,7 +64,7 @@ def test_all_at_once_without_a_request_rate() -> None:
 @pytest.mark.parametrize("burstiness", [1.0, 4.0, 0.25])
 def test_arrivals_have_the_asked_rate_and_burstiness(burstiness: float) -> None:
     spec = RunSpec(num_prompts=20_000, request_rate=40.0, burstiness=burstiness, input_len=1)
-    offsets = make_plan(spec, 8192).offsets
+    offsets = make_plan(spec, 8192).offsets.tolist()
     gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert offsets[0] == 0.0
     assert statistics.mean(gaps) == pytest.approx(1 / 40, rel=0.05)

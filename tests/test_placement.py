@@ -74,3 +74,20 @@ def test_tensor_parallel_larger_than_the_gpus_fails_with_a_reason(four_gpus: Tes
     done = wait_finished(four_gpus, run["id"])
     assert done["status"] == "failed"
     assert "tensor_parallel_size 8" in done["error"] and "(4: 0,1,2,3)" in done["error"]
+
+
+def test_the_least_recently_used_idle_worker_is_the_one_evicted(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STUB_TOKEN_INTERVAL_S", "0.005")
+    with make_client(tmp_path, gpus="0,1") as client:
+        a1 = wait_finished(client, client.post("/api/runs", json=_spec(1)).json()["id"])
+        b = wait_finished(client, client.post("/api/runs", json=_spec(2)).json()["id"])
+        # Reusing A's worker makes it the most recently used, though it was started first.
+        a2 = wait_finished(client, client.post("/api/runs", json=_spec(1)).json()["id"])
+        assert a2["worker_id"] == a1["worker_id"]
+        c = wait_finished(client, client.post("/api/runs", json=_spec(3)).json()["id"])
+        assert all(r["status"] == "succeeded" for r in (a1, b, a2, c))
+        workers = {w["id"]: w for w in client.get("/api/workers").json()}
+        assert workers[b["worker_id"]]["status"] == "stopped"
+        assert workers[a1["worker_id"]]["status"] == "ready"
+        assert workers[c["worker_id"]]["gpus"] == workers[b["worker_id"]]["gpus"]

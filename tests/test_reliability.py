@@ -6,6 +6,8 @@ variables the service passes on to its workers.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import AUTH, make_client, wait_finished, wait_for
-from tests.service_process import ServiceProcess, pid_alive
+from tests.service_process import ServiceProcess, driver_pids, pid_alive
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 10, "max_concurrency": 2}
 
@@ -155,8 +157,114 @@ def test_many_clients_and_the_scheduler_never_hit_a_locked_database(service: Ser
     assert set(codes) <= {200, 201, 409}
     runs = httpx.get(f"{service.url}/api/runs?limit=500", headers=AUTH).json()
     assert runs["total"] == 12 * 15
-    # The scheduler kept working through it all: every run ends (or is on its way).
+    # The scheduler kept working through it all: every run ends (or is on its way). About
+    # 120 runs go one after the other, each with a load driver process of its own.
     with service.client() as c:
         wait_for(c, runs["runs"][0]["id"], lambda r: r["status"] in {"succeeded", "cancelled"},
-                 timeout=120)
+                 timeout=300)
     assert "locked" not in service.log()
+
+
+# ---------------------------------------------------------------- load driver processes
+
+SLOW_RUN = {"input_len": 16, "output_len": 40, "num_prompts": 12, "max_concurrency": 2}
+
+
+def _driver_of_running_run(client: TestClient, run_id: str) -> int:
+    wait_for(client, run_id, lambda r: r["status"] == "running" and r["summary"] is None
+             and r["progress"]["completed"] >= 2)
+    deadline = time.monotonic() + 10
+    while not (pids := driver_pids(run_id=run_id)):
+        assert time.monotonic() < deadline, "no load driver process found"
+        time.sleep(0.05)
+    assert len(pids) == 1  # 2 streams: one shard
+    return pids[0]
+
+
+def test_load_is_driven_from_a_process_of_its_own_that_ends_with_the_run(faulty: Any) -> None:
+    client = faulty({"STUB_TOKEN_INTERVAL_S": "0.02"})
+    run = client.post("/api/runs", json=SLOW_RUN).json()
+    pid = _driver_of_running_run(client, run["id"])
+    assert pid != os.getpid()
+    # Samples reach the database while the run goes on, not only at its end.
+    assert client.get(f"/api/runs/{run['id']}/requests").json()
+    done = wait_finished(client, run["id"])
+    assert done["status"] == "succeeded" and done["summary"]["completed"] == 12
+    samples = client.get(f"/api/runs/{run['id']}/requests").json()
+    assert sorted(s["index"] for s in samples) == list(range(12))  # each exactly once
+    assert not pid_alive(pid)
+
+
+def test_a_driver_that_dies_fails_its_run_and_keeps_what_it_measured(faulty: Any) -> None:
+    client = faulty({"STUB_TOKEN_INTERVAL_S": "0.02"})
+    run = client.post("/api/runs", json=SLOW_RUN).json()
+    pid = _driver_of_running_run(client, run["id"])
+    os.kill(pid, signal.SIGKILL)
+    done = wait_finished(client, run["id"], timeout=30)
+    assert done["status"] == "failed"
+    assert "load driver 0 exited with code -9" in done["error"]
+    kept = client.get(f"/api/runs/{run['id']}/requests").json()
+    assert 2 <= len(kept) < 12 and done["progress"]["completed"] == len(kept)
+    # The worker was fine: the next run uses it.
+    again = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    assert again["status"] == "succeeded" and again["worker_id"] == done["worker_id"]
+
+
+def test_a_driver_that_hangs_fails_its_run_with_a_reason_and_is_stopped(faulty: Any) -> None:
+    client = faulty({"STUB_TOKEN_INTERVAL_S": "0.02"}, driver_hang_s=2)
+    run = client.post("/api/runs", json=SLOW_RUN).json()
+    pid = _driver_of_running_run(client, run["id"])
+    os.kill(pid, signal.SIGSTOP)  # alive, and silent: no samples, no heartbeat
+    started = time.monotonic()
+    done = wait_finished(client, run["id"], timeout=30)
+    assert done["status"] == "failed"
+    assert "load driver 0 sent nothing for 2 s (hung)" in done["error"]
+    assert time.monotonic() - started < 10
+    assert not pid_alive(pid)
+    assert client.get(f"/api/runs/{run['id']}/requests").json()
+
+
+def test_cancel_stops_the_driver_and_keeps_its_samples(faulty: Any) -> None:
+    client = faulty({"STUB_TOKEN_INTERVAL_S": "0.02"})
+    run = client.post("/api/runs", json=SLOW_RUN).json()
+    pid = _driver_of_running_run(client, run["id"])
+    assert client.post(f"/api/runs/{run['id']}/cancel").json()["status"] == "cancelled"
+    deadline = time.monotonic() + 10
+    while pid_alive(pid):
+        assert time.monotonic() < deadline, "the driver outlived its cancelled run"
+        time.sleep(0.05)
+    final = wait_for(client, run["id"], lambda r: r["status"] == "cancelled")
+
+    def kept() -> int:
+        return len(client.get(f"/api/runs/{run['id']}/requests").json())
+
+    # What the driver measured before it stopped is stored, and counted.
+    final = wait_for(client, run["id"], lambda r: sum(r["progress"][k] for k in ("completed", "failed"))
+                     == kept(), timeout=10)
+    assert 2 <= kept() < 12
+    assert final["error"] == "cancelled by the user"
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_no_driver_outlives_the_service(tmp_path: Path, how: str) -> None:
+    service = ServiceProcess(tmp_path / "var", {"STUB_TOKEN_INTERVAL_S": "0.05"})
+    service.start()
+    try:
+        with service.client() as c:
+            run_id = c.post("/api/runs", json={**SLOW_RUN, "output_len": 200}).json()["id"]
+            wait_for(c, run_id, lambda r: r["status"] == "running" and r["progress"]["completed"] >= 1)
+        assert service.proc is not None
+        pids = driver_pids(service.proc.pid)
+        assert len(pids) == 2  # the run's, and a spare for the next run
+        assert len(driver_pids(service.proc.pid, run_id)) == 1
+        if how == "sigterm":
+            service.stop()
+        else:
+            service.kill()  # a crash: the driver sees its stdin close and ends
+        deadline = time.monotonic() + 10
+        while any(pid_alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, "a load driver outlived its service"
+            time.sleep(0.05)
+    finally:
+        service.stop()
+        service._kill_workers()

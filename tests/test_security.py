@@ -11,9 +11,9 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from service.__main__ import refuse_open_bind
-from service.launcher import Launcher
 from service.models import RunSpec
 from service.settings import Settings
+from service.vllm_cli import worker_argv
 from tests.conftest import AUTH, make_client, wait_finished
 
 SMALL = {"input_len": 8, "output_len": 2, "num_prompts": 1}
@@ -144,9 +144,8 @@ def test_hostile_values_are_refused_everywhere(client: TestClient) -> None:
 
 def test_argv_is_a_list_and_carries_only_validated_values(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
-    launcher = Launcher(settings, None, None)  # type: ignore[arg-type]
     spec = RunSpec(engine={"extra_args": ["--max-num-seqs=4", "--enable-prefix-caching"]})
-    argv, _ = launcher.build_argv(spec, 1234, "tok", [])
+    argv, _ = worker_argv(settings, spec, 1234, "tok", [])
     assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)
     assert argv[-2:] == ["--max-num-seqs=4", "--enable-prefix-caching"]
     assert argv.count("--kv-transfer-config") == 1

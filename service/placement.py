@@ -1,0 +1,139 @@
+"""Placement: which queued runs start now, and where. A pure function of tables.
+
+Rules, oldest queued run first:
+- runs of one kind (``RunSpec.worker_key``) share one server, one run at a time: a run
+  whose kind has a server (or one starting) waits for an idle, ready one;
+- a run that waits for registered servers only holds nothing of this machine's, so
+  later runs of other kinds go past it; any other run that must wait stops the pass
+  (first come, first served);
+- a CPU machine (no GPUs) has one local worker at a time, started only when nothing
+  is running or starting, after the idle local workers are stopped;
+- with GPUs, a new worker takes ``tensor_parallel_size`` free GPUs, evicting idle ready
+  workers least recently used first when there are not enough; a GPU stays held by
+  its worker until that worker has stopped, even when it is set aside for eviction;
+- a run needing more GPUs than the service may use fails at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """A worker as placement sees it."""
+
+    id: str
+    key: str
+    external: bool = False
+    ready: bool = True
+    busy: bool = False
+    gpus: tuple[str, ...] = ()
+    last_used: float = 0.0
+    # Set aside for eviction, not stopped yet: holds its GPUs, takes no runs.
+    stopping: bool = False
+
+
+@dataclass(frozen=True)
+class QueuedRow:
+    """A queued run as placement sees it."""
+
+    id: str
+    key: str
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one queued run: reuse a worker, start one on ``gpus`` after
+    stopping ``evict``, or fail it with ``fail``."""
+
+    run_id: str
+    key: str
+    reuse: str | None = None
+    gpus: tuple[str, ...] = ()
+    evict: tuple[str, ...] = ()
+    fail: str | None = None
+
+
+@dataclass
+class _State:
+    workers: dict[str, WorkerRow]
+    starting: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+
+
+def place(
+    queued: Sequence[QueuedRow],
+    workers: Sequence[WorkerRow],
+    starting: Sequence[tuple[str, Sequence[str]]],
+    gpus: Sequence[str],
+) -> list[Decision]:
+    """The decisions for this pass. ``starting``: (kind, GPUs) of runs placed earlier
+    whose new worker is not up yet; ``gpus``: the GPUs the service may use (empty on a
+    CPU machine)."""
+    state = _State({w.id: w for w in workers}, [(k, tuple(g)) for k, g in starting])
+    out: list[Decision] = []
+    for run in queued:
+        if gpus and run.tensor_parallel_size > len(gpus):
+            out.append(Decision(
+                run.id, run.key,
+                fail=f"tensor_parallel_size {run.tensor_parallel_size} needs more GPUs than this "
+                f"service may use ({len(gpus)}: {','.join(gpus)})",
+            ))
+            continue
+        decision = _place_one(run, state, gpus)
+        if decision is None:
+            if _waits_on_registered(run, state):
+                continue
+            break
+        out.append(decision)
+    return out
+
+
+def _waits_on_registered(run: QueuedRow, state: _State) -> bool:
+    same = [w for w in state.workers.values() if w.key == run.key and not w.stopping]
+    starting = any(k == run.key for k, _ in state.starting)
+    return bool(same) and all(w.external for w in same) and not starting
+
+
+def _place_one(run: QueuedRow, state: _State, gpus: Sequence[str]) -> Decision | None:
+    live = [w for w in state.workers.values() if not w.stopping]
+    same = [w for w in live if w.key == run.key]
+    if same or any(k == run.key for k, _ in state.starting):
+        idle = [w for w in same if w.ready and not w.busy]
+        if not idle:
+            return None
+        chosen = idle[0]
+        state.workers[chosen.id] = replace(chosen, busy=True)
+        return Decision(run.id, run.key, reuse=chosen.id)
+    local = [w for w in live if not w.external]
+    if not gpus:
+        if state.starting or any(w.busy or not w.ready for w in local):
+            return None
+        evict = tuple(w.id for w in local)
+        chosen_gpus: tuple[str, ...] = ()
+    else:
+        need = run.tensor_parallel_size
+        held = {g for w in state.workers.values() if not w.external for g in w.gpus}
+        held |= {g for _, gs in state.starting for g in gs}
+        free = [g for g in gpus if g not in held]
+        freed: list[str] = []
+        evict_rows: list[WorkerRow] = []
+        for w in sorted(local, key=lambda w: w.last_used):
+            if len(free) + len(freed) >= need:
+                break
+            if w.ready and not w.busy:
+                evict_rows.append(w)
+                freed += [g for g in w.gpus if g in gpus]
+        if len(free) + len(freed) < need:
+            return None
+        # Free GPUs first: GPUs of an evicted worker are only taken when needed; the
+        # rest stay held until that worker has stopped.
+        chosen_gpus = tuple(sorted((free + freed)[:need]))
+        evict = tuple(w.id for w in evict_rows)
+    for worker_id in evict:
+        state.workers[worker_id] = replace(state.workers[worker_id], stopping=True)
+    state.starting.append((run.key, chosen_gpus))
+    return Decision(run.id, run.key, gpus=chosen_gpus, evict=evict)
+

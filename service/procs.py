@@ -1,0 +1,119 @@
+"""Processes and their logs: process groups started and stopped as one, log files kept
+to a size, and the marker that tells our workers from anyone else's after a crash."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import IO
+
+# Environment variable that marks a process as ours, so that after a crash we only
+# ever stop process groups this service started.
+WORKER_ENV = "DECODEBENCH_WORKER_ID"
+LOG_TAIL_LINES = 40
+
+
+class NoFreePort(Exception):
+    """No free port was found."""
+
+
+def log_head(path: Path, max_bytes: int = 1 << 20) -> str:
+    """The first ``max_bytes`` of a log file (empty if missing)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(max_bytes).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file (empty if missing)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def drain_to_capped_file(pipe: IO[bytes], path: Path, max_bytes: int) -> None:
+    """Copy a worker's output to ``path`` until it closes; past ``max_bytes`` the file
+    moves to ``path.1`` (replacing an older one) and a new one starts, so a chatty
+    worker never fills the disk and never blocks on a full pipe."""
+    out = path.open("ab")
+    try:
+        for chunk in iter(lambda: pipe.read1(64 * 1024), b""):  # type: ignore[attr-defined]
+            if out.tell() + len(chunk) > max_bytes:
+                out.close()
+                os.replace(path, path.with_name(path.name + ".1"))
+                out = path.open("ab")
+            out.write(chunk)
+            out.flush()
+    except (OSError, ValueError):
+        pass
+    finally:
+        out.close()
+        pipe.close()
+
+
+def free_port(taken: set[int]) -> int:
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in taken:
+            return port
+    raise NoFreePort("no free port found for a new worker")
+
+
+def is_our_worker(pid: int, worker_id: str) -> bool:
+    """True if ``pid`` is alive and was started by us as ``worker_id`` (guards against pid reuse)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{WORKER_ENV}={worker_id}".encode() in environ.split(b"\0")
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kill_group(pgid: int, grace_s: float) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and group_alive(pgid):
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def stop_process_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM the process group, SIGKILL it after ``grace_s``, and reap the leader."""
+    pgid = process.pid  # start_new_session makes the child its group's leader
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None and not group_alive(pgid):
+            break
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)

@@ -1,0 +1,261 @@
+"""One run, one owner: from its placement to its final status.
+
+The runner gets the run's worker (reused, or started after the idle workers its
+placement evicts are stopped), starts its load drivers (``service.driver``), keeps
+its samples as they arrive (persisted in batches, each sample exactly once), watches
+the worker, summarises, and writes the final status. Every way a run can end goes
+through ``_end`` (one error path); if even that write fails, ``ensure_ended`` (called by
+the scheduler after the runner returns) tries again, so no run stays ``running``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from sqlalchemy import Engine
+
+from service import store
+from service.driver import DriverError, DriverPool, Drivers
+from service.handles import WorkerError, WorkerHandle
+from service.launcher import Launcher
+from service.metrics import Sample, run_warnings, summarize
+from service.models import RunSpec, RunStatus, utcnow
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# Samples reach the database at least this often while a run is measured, so a crash of
+# the service loses at most this much of a run; progress is read from them.
+PERSIST_EVERY_S = 0.5
+WATCH_EVERY_S = 0.5
+# Tries (with a growing pause) for the write that ends a run.
+END_TRIES = 5
+
+
+@dataclass
+class Placement:
+    """Where a run goes: an idle worker of its kind, or GPUs for a new worker (after
+    stopping the idle workers in ``evict``)."""
+
+    key: str
+    reuse: WorkerHandle | None = None
+    gpus: list[str] = field(default_factory=list)
+    evict: list[WorkerHandle] = field(default_factory=list)
+
+
+class RunFailed(Exception):
+    """The run cannot succeed; the message is its error as the user reads it."""
+
+
+class Runner:
+    """Owns one placed run until it is succeeded, failed or cancelled."""
+
+    def __init__(self, settings: Settings, engine: Engine, launcher: Launcher, drivers: DriverPool,
+                 run_id: str, spec: RunSpec, placement: Placement,
+                 cancelled_by_user: Callable[[], bool]) -> None:
+        self.settings = settings
+        self.drivers = drivers
+        self.engine = engine
+        self.launcher = launcher
+        self.run_id = run_id
+        self.spec = spec
+        self.placement = placement
+        self.cancelled_by_user = cancelled_by_user
+        self.samples: list[Sample] = []
+        self._saved = 0
+        self.handle: WorkerHandle | None = None
+
+    # ------------------------------------------------------------ samples
+
+    def persist(self) -> None:
+        """Save the samples not saved yet and the progress counts."""
+        new = self.samples[self._saved:]
+        if new:
+            store.save_samples(self.engine, self.run_id, new)
+            self._saved += len(new)
+        ok = sum(s.success for s in self.samples)
+        store.update_fields(self.engine, self.run_id, completed=ok, failed=len(self.samples) - ok)
+
+    async def _persist_every(self) -> None:
+        while True:
+            await asyncio.sleep(PERSIST_EVERY_S)
+            try:
+                self.persist()
+            except Exception:
+                # A locked or full database must not end the measurement; the next
+                # batch (or the run's end) tries again.
+                log.exception("run %s: saving samples failed; will retry", self.run_id)
+
+    # ------------------------------------------------------------ the run
+
+    async def run(self) -> None:
+        """Run to an end state. Cancellation by the service (shutdown) fails the run and
+        propagates; a user's cancel keeps the ``cancelled`` status and the samples."""
+        reuse = self.placement.reuse
+        if reuse is not None and reuse.external and not await self._healthy(reuse):
+            # A registered server can go away between two probes: the run stays queued
+            # for the next server that answers instead of failing on this one.
+            self.launcher.set_unavailable(reuse, "did not answer /health as a run was about to start")
+            return
+        if not store.transition(self.engine, self.run_id, RunStatus.starting):
+            return
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if self.cancelled_by_user():
+                await self._end(None, "")  # the API already moved it to ``cancelled``
+                return
+            await self._end(RunStatus.failed, "the service stopped while this run was in progress")
+            raise
+        except (WorkerError, DriverError, RunFailed) as exc:
+            await self._end(RunStatus.failed, str(exc))
+        except Exception as exc:
+            log.exception("run %s failed", self.run_id)
+            await self._end(RunStatus.failed, f"internal error: {type(exc).__name__}: {exc}")
+
+    async def _run(self) -> None:
+        handle = self.handle = await self._worker()
+        store.count_worker_run(self.engine, handle.id)
+        # The worker id goes in before the first request: the connector's
+        # pull is only answered for runs assigned to the asking worker.
+        store.update_fields(self.engine, self.run_id, worker_id=handle.id,
+                            cpu_binding=handle.cpu_binding)
+        needed = self.spec.longest_request_tokens()
+        if handle.kv_tokens is not None and needed > handle.kv_tokens:
+            raise RunFailed(f"infeasible: one request needs {needed} tokens of KV cache and this "
+                            f"server holds {handle.kv_tokens}; not run")
+        if not store.transition(self.engine, self.run_id, RunStatus.running, started_at=utcnow()):
+            return
+        duration = await self._measure(handle)
+        if not handle.alive():
+            tail = handle.tail()
+            self.launcher.mark_dead(handle, "exited during a run")
+            raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+        samples = self.samples
+        summary = summarize(samples, duration, self.spec.goodput.model_dump(exclude_none=True))
+        ok = [s for s in samples if s.success]
+        if len(ok) < len(samples) and not await self._healthy(handle):
+            # A server that stopped answering is not reused: the next run gets a new one.
+            tail = handle.tail()
+            await self.launcher.stop(handle, status="failed", error="stopped answering")
+            raise WorkerError(
+                f"vLLM server stopped answering during the run ({len(samples) - len(ok)} "
+                f"requests failed); last log lines:\n{tail}"
+            )
+        if not ok:
+            first_error = next((s.error for s in samples if s.error), "no request succeeded")
+            await self._end(RunStatus.failed, f"every request failed; first error: {first_error}\n"
+                      f"last log lines of the vLLM server:\n{handle.tail()}", summary=summary)
+            return
+        await self._end(RunStatus.succeeded, None, summary=summary, warnings=run_warnings(samples, summary))
+
+    async def _worker(self) -> WorkerHandle:
+        if self.placement.reuse is not None:
+            return self.placement.reuse
+        for handle in self.placement.evict:
+            await self.launcher.stop(handle)
+        handle = await self.launcher.start(self.spec, self.placement.gpus)
+        handle.busy_run = self.run_id
+        return handle
+
+    async def _measure(self, handle: WorkerHandle) -> float:
+        """Drive the load from driver processes while watching the worker; return the
+        duration. Samples land in ``self.samples`` as they arrive."""
+        drivers = Drivers.for_run(
+            self.run_id, self.spec, handle.url, handle.served_model, handle.vocab_size,
+            self.settings.request_timeout_s, self.drivers, self.settings.driver_hang_s,
+        )
+        failures = [0]
+
+        def on_sample(sample: Sample) -> None:
+            self.samples.append(sample)
+            if not sample.success:
+                failures[0] += 1
+
+        measure = asyncio.create_task(drivers.run(on_sample))
+        watchdog = asyncio.create_task(self._watch(handle, failures))
+        persister = asyncio.create_task(self._persist_every())
+        try:
+            await asyncio.wait({measure, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not measure.done():
+                # The worker died or hung: stop sending, keep what was measured.
+                measure.cancel()
+                await asyncio.gather(measure, return_exceptions=True)
+                raise watchdog.result()
+            return measure.result()
+        finally:
+            for task in (measure, watchdog, persister):
+                task.cancel()
+            await asyncio.gather(measure, watchdog, persister, return_exceptions=True)
+
+    async def _end(self, status: RunStatus | None, error: str | None, **fields: object) -> None:
+        """The one way out: save what is left of the samples and write the end state
+        (``status`` None: keep the status the API set). Retried; never raises."""
+        ok = sum(s.success for s in self.samples)
+        counts = {"completed": ok, "failed": len(self.samples) - ok}
+        for attempt in range(END_TRIES):
+            try:
+                self.persist()
+                if status is not None:
+                    extra = {"error": error} if error else {}
+                    store.transition(self.engine, self.run_id, status, **counts, **extra, **fields)
+                return
+            except Exception:
+                log.exception("run %s: writing its end state failed (try %d of %d)",
+                              self.run_id, attempt + 1, END_TRIES)
+                await asyncio.sleep(0.05 * 2 ** attempt)
+
+    async def _healthy(self, handle: WorkerHandle) -> bool:
+        """True if the worker is alive and answers /health within a few seconds."""
+        if not handle.alive():
+            return False
+        try:
+            response = await self.launcher.client.get(f"{handle.url}/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def _watch(self, handle: WorkerHandle, failures: list[int]) -> WorkerError:
+        """Return (never raise) once the worker has died, or stopped answering after a failed
+        request; until then, watch."""
+        checked = 0
+
+        def exited() -> WorkerError:
+            tail = handle.tail()
+            self.launcher.mark_dead(handle, "exited during a run")
+            return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            if not handle.alive():
+                return exited()
+            if failures[0] > checked:
+                checked = failures[0]
+                if not await self._healthy(handle):
+                    # A dying server refuses connections a moment before it is reaped.
+                    await asyncio.sleep(WATCH_EVERY_S)
+                    if not handle.alive():
+                        return exited()
+                    tail = handle.tail()
+                    await self.launcher.stop(handle, status="failed", error="stopped answering")
+                    return WorkerError(
+                        f"vLLM server stopped answering during the run ({checked} requests "
+                        f"failed); last log lines:\n{tail}"
+                    )
+
+
+def ensure_ended(engine: Engine, run_id: str) -> None:
+    """After a runner returned: a run it left ``starting`` or ``running`` (its end write
+    failed every try) is failed now, so it never waits for a restart to end."""
+    with contextlib.suppress(Exception):
+        run = store.get_run(engine, run_id)
+        if run.status in (RunStatus.starting.value, RunStatus.running.value):
+            store.transition(engine, run_id, RunStatus.failed,
+                             error="the run's end could not be recorded (database error); "
+                             "see the service log")
+

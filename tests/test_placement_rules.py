@@ -1,0 +1,92 @@
+"""``service.placement.place``: the rules, as plain tables of cases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from service.placement import Decision, QueuedRow, WorkerRow, place
+
+A, B, C = "kind-a", "kind-b", "kind-c"
+
+
+def w(id: str, key: str, **kw: Any) -> WorkerRow:
+    gpus = kw.pop("gpus", "")
+    return WorkerRow(id=id, key=key, gpus=tuple(gpus.split(",")) if gpus else (), **kw)
+
+
+def q(id: str, key: str, tp: int = 1) -> QueuedRow:
+    return QueuedRow(id=id, key=key, tensor_parallel_size=tp)
+
+
+CASES: list[tuple[str, list[QueuedRow], list[WorkerRow], list[tuple[str, list[str]]], str,
+                  list[Decision]]] = [
+    # name, queued, workers, starting, gpus, expected decisions
+    ("cpu: first run starts a worker",
+     [q("r1", A)], [], [], "",
+     [Decision("r1", A)]),
+    ("cpu: an idle worker of the kind is reused",
+     [q("r1", A)], [w("w1", A)], [], "",
+     [Decision("r1", A, reuse="w1")]),
+    ("cpu: one run at a time per kind; the next waits",
+     [q("r1", A), q("r2", A)], [w("w1", A)], [], "",
+     [Decision("r1", A, reuse="w1")]),
+    ("cpu: another kind evicts the idle worker",
+     [q("r1", B)], [w("w1", A)], [], "",
+     [Decision("r1", B, evict=("w1",))]),
+    ("cpu: another kind waits while a run is going, and so does everything behind it",
+     [q("r1", B), q("r2", A)], [w("w1", A, busy=True)], [], "",
+     [], ),
+    ("cpu: nothing starts while a worker is starting",
+     [q("r1", B)], [], [(A, [])], "",
+     []),
+    ("cpu: a worker that is starting is not evicted",
+     [q("r1", B)], [w("w1", A, ready=False)], [], "",
+     []),
+    ("registered servers only: a busy one lets later runs of other kinds pass",
+     [q("r1", A), q("r2", B)], [w("x1", A, external=True, busy=True), w("w2", B)], [], "",
+     [Decision("r2", B, reuse="w2")]),
+    ("registered servers are never evicted and hold no GPUs",
+     [q("r1", B)], [w("x1", A, external=True, gpus="0")], [], "0",
+     [Decision("r1", B, gpus=("0",))]),
+    ("gpus: a new worker takes the lowest free GPUs",
+     [q("r1", A, tp=2)], [w("w1", B, gpus="0")], [], "0,1,2,3",
+     [Decision("r1", A, gpus=("1", "2"))]),
+    ("gpus: runs of other kinds side by side in one pass",
+     [q("r1", A), q("r2", B, tp=2), q("r3", C)], [], [], "0,1,2,3",
+     [Decision("r1", A, gpus=("0",)), Decision("r2", B, gpus=("1", "2")),
+      Decision("r3", C, gpus=("3",))]),
+    ("gpus: GPUs of a run still starting are held",
+     [q("r1", B)], [], [(A, ["0"])], "0",
+     []),
+    ("gpus: least recently used idle worker is evicted first",
+     [q("r1", C)], [w("w1", A, gpus="0", last_used=20.0), w("w2", B, gpus="1", last_used=10.0)], [],
+     "0,1", [Decision("r1", C, gpus=("1",), evict=("w2",))]),
+    ("gpus: busy and starting workers are never evicted",
+     [q("r1", C)], [w("w1", A, gpus="0", busy=True), w("w2", B, gpus="1", ready=False)], [], "0,1",
+     []),
+    ("gpus: a worker set aside for eviction holds its other GPU until it has stopped",
+     [q("r1", C), q("r2", A)], [w("w1", B, gpus="0,1")], [], "0,1",
+     [Decision("r1", C, gpus=("0",), evict=("w1",))]),
+    ("gpus: a stopping worker (from an earlier pass) still holds its GPUs",
+     [q("r1", C)], [w("w1", B, gpus="0,1", stopping=True)], [(A, ["0"])], "0,1",
+     []),
+    ("gpus: a stopping worker is not reused for its kind",
+     [q("r1", B)], [w("w1", B, gpus="0", stopping=True)], [], "0,1",
+     [Decision("r1", B, gpus=("1",))]),
+    ("gpus: tensor parallel larger than the machine fails, the queue goes on",
+     [q("r1", A, tp=8), q("r2", B)], [], [], "0,1",
+     [Decision("r1", A, fail="tensor_parallel_size 8 needs more GPUs than this service may use "
+               "(2: 0,1)"), Decision("r2", B, gpus=("0",))]),
+    ("gpus: first come, first served: a run that must wait holds back the ones behind it",
+     [q("r1", A, tp=2), q("r2", B)], [w("w1", C, gpus="0", busy=True)], [], "0,1",
+     []),
+]
+
+
+@pytest.mark.parametrize(("queued", "workers", "starting", "gpus", "expected"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_place(queued: list[QueuedRow], workers: list[WorkerRow], starting: list[tuple[str, list[str]]],
+               gpus: str, expected: list[Decision]) -> None:
+    assert place(queued, workers, starting, gpus.split(",") if gpus else []) == expected
