@@ -46,7 +46,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,8 @@ from scipy import stats
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness import free_port  # noqa: E402
+
 from service.cpu_binding import BINDING_VARS, binding_env  # noqa: E402
 from service.metrics import Sample, decode_stats, is_bunched, summarize  # noqa: E402
 from service.models import EngineSpec  # noqa: E402
@@ -74,12 +75,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ARMS = ("reference", "client", "product")
 # The figure the last line compares, at concurrency 1 and above it.
 LIKE_FOR_LIKE = {False: "decode_tpot_ms", True: "full_tpot_ms"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_http(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 600) -> None:
@@ -114,7 +109,7 @@ def _pause(pgid: int, paused: bool) -> None:
 @contextlib.contextmanager
 def reference_server(model_dir: Path, work: Path) -> Iterator[tuple[str, int]]:
     """A vLLM server with the product worker's engine flags and CPU binding, no connector."""
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", TINY_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             *engine_flags(TINY_MODEL_NAME, EngineSpec(), on_cpu=True)]
@@ -133,7 +128,7 @@ def reference_server(model_dir: Path, work: Path) -> Iterator[tuple[str, int]]:
 @contextlib.contextmanager
 def service(work: Path, extra_env: dict[str, str]) -> Iterator[httpx.Client]:
     """The decodebench service as its own process, with a fresh data directory."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DECODEBENCH_DATA_DIR": str(work / "var"), "DECODEBENCH_PORT": str(port),
            "DECODEBENCH_GPUS": "", "DECODEBENCH_API_TOKEN": TOKEN, **extra_env}
     env.pop("DECODEBENCH_VLLM_COMMAND", None)

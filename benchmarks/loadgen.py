@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from harness import free_port
 from vllm.benchmarks.lib.endpoint_request_func import (
     RequestFuncInput,
     async_request_openai_completions,
@@ -37,12 +38,6 @@ from service.metrics import Sample
 from service.models import RunSpec
 
 HERE = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _ours(url: str, concurrency: int, requests: int, tokens: int) -> tuple[float, list[float]]:
@@ -101,7 +96,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x level")
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     stub = subprocess.Popen([sys.executable, str(HERE / "token_stub.py"), "--port", str(port),
                              "--interval", str(args.interval)])
     url = f"http://127.0.0.1:{port}"
