@@ -42,6 +42,7 @@ from pydantic import BaseModel
 
 from service.loadgen import LoadGenerator, LoadShape, make_plan
 from service.metrics import Sample
+from service.procs import log_tail
 
 if TYPE_CHECKING:
     from service.models import RunSpec
@@ -52,7 +53,6 @@ BEAT_S = 1.0
 LINE_LIMIT = 64 << 20
 # How long a stopped shard gets to go before SIGKILL.
 STOP_WAIT_S = 3.0
-STDERR_TAIL_BYTES = 4096
 
 
 class DriverConfig(BaseModel):
@@ -240,11 +240,16 @@ class DriverPool:
         self._ready.clear()
 
 
-async def _stop_processes(procs: list[asyncio.subprocess.Process]) -> None:
+def _terminate(procs: list[asyncio.subprocess.Process]) -> None:
     for proc in procs:
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
+
+
+async def _stop_processes(procs: list[asyncio.subprocess.Process]) -> None:
+    """SIGTERM, then SIGKILL after ``STOP_WAIT_S``; reaped either way."""
+    _terminate(procs)
     for proc in procs:
         try:
             await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
@@ -279,18 +284,8 @@ class Drivers:
         ], pool, hang_s)
 
     def stderr_tail(self) -> str:
-        """The last bytes each shard wrote to stderr."""
-        parts = []
-        for path in self.log_paths:
-            try:
-                with path.open("rb") as f:
-                    f.seek(0, os.SEEK_END)
-                    f.seek(max(0, f.tell() - STDERR_TAIL_BYTES))
-                    text = f.read().decode("utf-8", errors="replace").strip()
-            except OSError:
-                text = ""
-            if text:
-                parts.append(f"[{path.name}]\n{text}")
+        """The last lines each shard wrote to stderr."""
+        parts = [f"[{path.name}]\n{text}" for path in self.log_paths if (text := log_tail(path).strip())]
         return "\n".join(parts) or "(nothing on stderr)"
 
     async def run(self, on_sample: Callable[[Sample], None]) -> float:
@@ -298,7 +293,21 @@ class Drivers:
         sample to ``on_sample`` as it arrives; return the run's duration (s). Raises
         ``DriverError`` if a shard dies or hangs. Cancelling stops the shards; samples
         they sent before that are handed on first."""
-        handle: Callable[[int, dict[str, Any]], None] | None = None
+        ready: set[int] = set()
+        all_ready = asyncio.Event()
+        durations: list[float] = []
+
+        def handle(shard: int, message: dict[str, Any]) -> None:
+            kind = message.get("kind")
+            if kind == "sample":
+                on_sample(Sample(**message["sample"]))
+            elif kind == "ready":
+                ready.add(shard)
+                if len(ready) == len(self.configs):
+                    all_ready.set()
+            elif kind == "done":
+                durations.append(float(message["duration"]))
+
         try:
             for config in self.configs:
                 proc, log_path = await self.pool.take(f"{config.run_id}.driver{config.shard}.log")
@@ -307,22 +316,6 @@ class Drivers:
                 assert proc.stdin is not None
                 proc.stdin.write(config.model_dump_json().encode() + b"\n")
                 await proc.stdin.drain()
-            ready: set[int] = set()
-            all_ready = asyncio.Event()
-            durations: list[float] = []
-
-            def on_message(shard: int, message: dict[str, Any]) -> None:
-                kind = message.get("kind")
-                if kind == "sample":
-                    on_sample(Sample(**message["sample"]))
-                elif kind == "ready":
-                    ready.add(shard)
-                    if len(ready) == len(self.procs):
-                        all_ready.set()
-                elif kind == "done":
-                    durations.append(float(message["duration"]))
-
-            handle = on_message
 
             async def go() -> None:
                 await all_ready.wait()
@@ -371,10 +364,7 @@ class Drivers:
     async def stop(self, handle: Callable[[int, dict[str, Any]], None] | None = None) -> None:
         """Stop every shard still running (SIGTERM, then SIGKILL) and wait for it; with
         ``handle``, what they wrote before they stopped is read and handed to it first."""
-        for proc in self.procs:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
+        _terminate(self.procs)
         if handle is not None:
             for shard, proc in enumerate(self.procs):
                 with contextlib.suppress(TimeoutError, ValueError, OSError):
