@@ -1,0 +1,96 @@
+"""Load driver shards: how many, their part of the concurrency, and one schedule on one
+clock across processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from service.driver import DriverConfig, DriverPool, Drivers, shard_concurrency, shard_count
+from service.loadgen import LoadShape, make_plan
+from service.metrics import Sample
+from service.models import RunSpec
+from tests.service_process import _free_port
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize(("spec", "cpus", "shards"), [
+    ({"max_concurrency": 16, "num_prompts": 1000}, 8, 1),
+    ({"max_concurrency": 256, "num_prompts": 1000}, 8, 1),
+    ({"max_concurrency": 257, "num_prompts": 1000}, 8, 2),
+    ({"max_concurrency": 1024, "num_prompts": 2048}, 2, 2),
+    ({"max_concurrency": 1024, "num_prompts": 2048}, 16, 4),
+    ({"max_concurrency": None, "num_prompts": 600}, 8, 3),
+    ({"max_concurrency": None, "num_prompts": 10, "request_rate": 5.0}, 8, 1),
+])
+def test_one_shard_per_256_streams_at_most_one_per_core(spec: dict[str, object], cpus: int,
+                                                        shards: int) -> None:
+    assert shard_count(RunSpec(**spec), cpus) == shards  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("limit", "shards"), [(1024, 4), (1025, 4), (7, 2), (3, 3)])
+def test_shards_split_the_concurrency_limit_exactly(limit: int, shards: int) -> None:
+    parts = [shard_concurrency(limit, k, shards) for k in range(shards)]
+    assert sum(p or 0 for p in parts) == limit and max(parts) - min(parts) <= 1  # type: ignore[operator]
+    assert shard_concurrency(None, 0, shards) is None
+
+
+@pytest.fixture
+def stub() -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(TESTS / "stub_vllm.py"), "--port", str(port),
+                             "--served-model-name", "stub"], env={"STUB_TOKEN_INTERVAL_S": "0.005",
+                                                                  "PATH": "/usr/bin:/bin"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "stub did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_shards_in_separate_processes_follow_one_schedule_on_one_clock(stub: str, tmp_path: Path) -> None:
+    spec = RunSpec(input_len=16, output_len=4, num_prompts=24, max_concurrency=6, request_rate=40.0,
+                   warmup_prompts=2, seed=5)
+    shape = LoadShape.of(spec)
+    configs = [DriverConfig(run_id="r-shards", spec=shape, base_url=stub, served_model="stub",
+                            vocab_size=1000, request_timeout_s=30, shard=k, shards=3) for k in range(3)]
+    samples: list[Sample] = []
+
+    async def drive() -> float:
+        pool = DriverPool(tmp_path)
+        pool.start()
+        try:
+            return await Drivers(configs, pool, hang_s=30).run(samples.append)
+        finally:
+            await pool.close()
+
+    duration = asyncio.run(drive())
+    assert sorted(s.index for s in samples) == list(range(24))  # every request once
+    assert all(s.success for s in samples)
+    # One schedule: each request was due at t0 + its offset of the one seeded plan, whatever
+    # shard (process) sent it, on one clock.
+    plan = make_plan(spec, 1000)
+    by_index = sorted(samples, key=lambda s: s.index)
+    dues = np.array([s.due_time for s in by_index])
+    assert np.allclose(dues - dues[0], plan.offsets - plan.offsets[0], atol=1e-6)
+    assert min(s.start_time for s in samples) >= dues[0] - 1e-3
+    assert duration >= max(s.start_time + s.latency for s in samples) - dues[0] - 1e-3
