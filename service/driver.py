@@ -201,6 +201,10 @@ class DriverPool:
             )
         return proc, log_path
 
+    def refill(self) -> None:
+        """Start spares up to the pool's size (after a run, when the machine is quiet)."""
+        self._refill()
+
     def _refill(self) -> None:
         if self._closed:
             return
@@ -223,7 +227,9 @@ class DriverPool:
                 break
         else:
             proc, log_path = await self._spawn()
-        self._refill()
+        # No new spare now: starting Python takes a core for a moment, and a run's first
+        # requests (and its connector's pull of the fill values) come next. ``refill``
+        # after the run.
         target = self.log_dir / name
         log_path.rename(target)
         return proc, target
@@ -373,6 +379,7 @@ class Drivers:
                         while line := await proc.stdout.readline():
                             handle(shard, json.loads(line))
         await _stop_processes(self.procs)
+        self.pool.refill()
 
 
 if __name__ == "__main__":
