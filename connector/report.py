@@ -1,9 +1,13 @@
 """Reports what the connector did, per run, to the decodebench service.
 
-A daemon thread posts cumulative counters every ``interval_s`` to
+A daemon thread posts cumulative counters to
 ``POST {control_url}/api/connector/report``, off the engine's path: the fill and
-the scheduling step only update a dict under a lock. Counters are cumulative
-per (run, role, rank), so a lost or repeated report does no harm.
+the scheduling step only update a dict under a lock. It sends every
+``interval_s``, or ``SOON_S`` after ``soon()`` (a request of a run finished: the
+service reads the run's counters when its last request is done). Counters are
+cumulative per (run, role, rank), so a lost or repeated report does no harm; a
+run's last ``note`` (why a request was not treated as its mode says) rides along
+as ``error``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import urllib.request
 log = logging.getLogger(__name__)
 
 MAX_TRACKED_RUNS = 4096
+# After soon(), wait this long for more changes before sending (one report, not many).
+SOON_S = 0.2
+MAX_NOTE_CHARS = 500
 
 
 class Reporter:
@@ -36,9 +43,11 @@ class Reporter:
         self.rank = rank
         self.interval_s = interval_s
         self._counters: dict[str, dict[str, float]] = {}
+        self._notes: dict[str, str] = {}
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
 
@@ -52,7 +61,23 @@ class Reporter:
             while len(self._counters) > MAX_TRACKED_RUNS:
                 oldest = next(iter(self._counters))
                 self._counters.pop(oldest)
+                self._notes.pop(oldest, None)
                 self._dirty.discard(oldest)
+        self._start()
+
+    def note(self, run_id: str, text: str) -> None:
+        """Keep the latest reason a request of ``run_id`` was not treated as asked."""
+        with self._lock:
+            self._notes[run_id] = text[:MAX_NOTE_CHARS]
+            self._dirty.add(run_id)
+            self._counters.setdefault(run_id, {})
+        self._start()
+
+    def soon(self) -> None:
+        """Send the counters shortly instead of at the next interval."""
+        self._wake.set()
+
+    def _start(self) -> None:
         if self._thread is None and self.url is not None:
             self._thread = threading.Thread(
                 target=self._loop, name="decodebench-report", daemon=True
@@ -65,7 +90,12 @@ class Reporter:
             return dict(self._counters.get(run_id, {}))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            if self._wake.wait(self.interval_s):
+                self._stop.wait(SOON_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self.flush()
 
     def flush(self) -> bool:
@@ -75,7 +105,11 @@ class Reporter:
         with self._lock:
             if not self._dirty:
                 return True
-            runs = {run_id: dict(self._counters[run_id]) for run_id in self._dirty}
+            runs: dict[str, dict[str, float | str]] = {}
+            for run_id in self._dirty:
+                runs[run_id] = dict(self._counters[run_id])
+                if run_id in self._notes:
+                    runs[run_id]["error"] = self._notes[run_id]
             self._dirty.clear()
         body = json.dumps({"role": self.role, "rank": self.rank, "runs": runs}).encode()
         request = urllib.request.Request(
@@ -99,4 +133,5 @@ class Reporter:
     def close(self) -> None:
         """Send what is left and stop the thread."""
         self._stop.set()
+        self._wake.set()
         self.flush()

@@ -5,6 +5,27 @@ right blocks per KV cache group (prefix-cache hits, null blocks, circular
 buffers). What we add: the run id in a request's ``kv_transfer_params`` picks
 that run's parameters, pulled from the service; ``prefill`` runs claim no
 tokens; and each request's values travel to the worker side in the metadata.
+
+A tagged request is never decided on values other than its run's. While the
+run's pull is in flight, ``get_num_new_matched_tokens`` answers ``None`` (vLLM
+0.32: "ask again later"), so the request waits in vLLM's queue and no other
+request waits for it. When the values cannot be had (see ``connector.params``)
+the request is not filled: vLLM prefills it, and the run is reported as
+``unresolved`` with the reason, which fails it in the service.
+
+Per run, every admitted request lands in exactly one of these counters:
+
+- ``filled_requests``: filled with the run's values (mode ``fill``);
+- ``prefill_requests``: left to vLLM's prefill (mode ``prefill``);
+- ``cached_requests``: nothing to fill, its prompt was in the run's own prefix
+  cache (the run's ``cache_salt`` keeps other runs' blocks out);
+- ``unresolved_requests``: the run's values could not be had; prefilled;
+- ``dropped_requests``: a fill was claimed but vLLM did not take it (for example
+  a request that skips the prefix cache); prefilled.
+
+Re-admissions after a preemption are ``recomputed_requests`` (vLLM recomputes
+them with a real prefill, as its own connector does); ``waited_requests`` counts
+requests that waited for their run's values at least once.
 """
 
 from __future__ import annotations
@@ -17,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
 )
 
 from connector.metadata import FillConnectorMetadata
-from connector.params import FillParams, ParamsClient
+from connector.params import DEFAULT_ATTEMPT_TIMEOUT_S, DEFAULT_DEADLINE_S, FillParams, ParamsClient
 from connector.report import Reporter
 
 if TYPE_CHECKING:
@@ -53,7 +74,9 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
             token=config.get_from_extra_config("worker_token", None),
             default_mean=float(config.get_from_extra_config("fill_mean", 0.015)),
             default_std=float(config.get_from_extra_config("fill_std", 0.0)),
-            timeout_s=float(config.get_from_extra_config("pull_timeout_s", 0.05)),
+            attempt_timeout_s=float(config.get_from_extra_config(
+                "pull_attempt_timeout_s", DEFAULT_ATTEMPT_TIMEOUT_S)),
+            deadline_s=float(config.get_from_extra_config("pull_deadline_s", DEFAULT_DEADLINE_S)),
         )
         self.reporter = Reporter(
             config.get_from_extra_config("control_url", None),
@@ -63,48 +86,74 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         )
         # Parameters decided for a request, from its first look until it finishes.
         self._decided: dict[str, FillParams] = {}
+        # Tokens this side claimed for a request on its last look.
+        self._claimed: dict[str, int] = {}
+        # Requests admitted at least once (a second admission follows a preemption).
+        self._admitted: set[str] = set()
+        # Requests told to wait for their run's values at least once.
+        self._waited: set[str] = set()
         # Values of requests whose blocks were selected this step, for the metadata.
         self._pending_values: dict[str, tuple[float, float]] = {}
         self._pending_runs: dict[str, str] = {}
 
-    def _params_for(self, request: Request) -> FillParams:
-        decided = self._decided.get(request.request_id)
-        if decided is None:
-            decided = self.params.get(run_id_of(request))
-            self._decided[request.request_id] = decided
-        return decided
-
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """Tokens to fill for a new request: none for prefill runs, else as vLLM does."""
-        if request.request_id in self._filled_requests:
+    ) -> tuple[int | None, bool]:
+        """Tokens to fill for a new request: none for prefill runs and for runs whose
+        values cannot be had, else as vLLM does; ``None`` while the run's values are
+        on their way."""
+        req_id = request.request_id
+        if req_id in self._filled_requests:
+            return 0, False  # re-admitted after a preemption: vLLM recomputes it
+        params = self._decided.get(req_id)
+        if params is None:
+            params = self.params.lookup(run_id_of(request))
+            if params is None:
+                self._waited.add(req_id)
+                return None, False
+            self._decided[req_id] = params
+        if params.mode != "fill":
+            self._claimed[req_id] = 0
             return 0, False
-        if self._params_for(request).mode == "prefill":
-            return 0, False
-        result: tuple[int, bool] = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        return result
+        tokens, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._claimed[req_id] = tokens
+        return tokens, is_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Select the blocks (vLLM's rules) and remember this request's values."""
+        """Select the blocks (vLLM's rules), remember this request's values, count it."""
+        req_id = request.request_id
+        readmitted = req_id in self._admitted
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        params = self._decided.get(request.request_id)
+        params = self._decided.get(req_id)
         run_id = run_id_of(request)
-        if request.request_id in self._pending_fills:
-            mean, std = (params.mean, params.std) if params else (self.params.default.mean,
-                                                                  self.params.default.std)
-            self._pending_values[request.request_id] = (mean, std)
+        if req_id in self._pending_fills:
+            assert params is not None and params.mode == "fill", "a fill without the run's values"
+            self._pending_values[req_id] = (params.mean, params.std)
             if run_id is not None:
-                self._pending_runs[request.request_id] = run_id
-        if run_id is not None and params is not None:
-            self.reporter.add(
-                run_id,
-                requests_seen=1,
-                prefill_requests=int(params.mode == "prefill"),
-                fallback_requests=int(params.source == "fallback"),
-            )
+                self._pending_runs[req_id] = run_id
+        self._admitted.add(req_id)
+        if run_id is None or params is None:
+            return
+        if readmitted:
+            self.reporter.add(run_id, recomputed_requests=1)
+            return
+        counts = {"requests_seen": 1, "waited_requests": int(req_id in self._waited)}
+        if params.mode == "unresolved":
+            counts["unresolved_requests"] = 1
+            self.reporter.note(run_id, params.error)
+        elif params.mode == "prefill":
+            counts["prefill_requests"] = 1
+        elif num_external_tokens > 0:
+            counts["filled_requests"] = 1
+        elif self._claimed.get(req_id, 0) == 0:
+            counts["cached_requests"] = 1
+        else:
+            counts["dropped_requests"] = 1
+            self.reporter.note(run_id, f"vLLM did not take the fill of request {req_id}; "
+                               "it was prefilled")
+        self.reporter.add(run_id, **counts)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FillConnectorMetadata:
         """Blocks to fill this step and the values for each request."""
@@ -121,13 +170,22 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
     def request_finished(self, request: Request) -> None:
         """Forget a finished (or aborted) request."""
         super().request_finished(request)
-        self._decided.pop(request.request_id, None)
-        self._pending_values.pop(request.request_id, None)
-        self._pending_runs.pop(request.request_id, None)
+        req_id = request.request_id
+        self._decided.pop(req_id, None)
+        self._claimed.pop(req_id, None)
+        self._admitted.discard(req_id)
+        self._waited.discard(req_id)
+        self._pending_values.pop(req_id, None)
+        self._pending_runs.pop(req_id, None)
+        run_id = run_id_of(request)
+        if run_id is not None:
+            # The service reads a run's counters once its last request is done: send soon.
+            self.reporter.soon()
 
     def tracked_requests(self) -> int:
         """How many requests the scheduler side holds state for (0 when idle)."""
-        return len(self._decided) + len(self._filled_requests) + len(self._pending_fills)
+        return (len(self._decided) + len(self._filled_requests) + len(self._pending_fills)
+                + len(self._claimed) + len(self._admitted) + len(self._waited))
 
     def shutdown(self) -> None:
         """Stop the pull threads and send the last report."""

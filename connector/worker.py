@@ -192,6 +192,7 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
         if not metadata.reqs_to_fill:
             return
         assert self.kv_caches is not None, "KV caches must be registered before filling"
+        reported = False
         for req_id, (block_ids_per_group, _num_tokens) in metadata.reqs_to_fill.items():
             mean, std = metadata.fill_values.get(req_id, (self.fill_mean, self.fill_std))
             started = time.perf_counter()
@@ -214,6 +215,9 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
                     bytes_filled=nbytes,
                     fill_seconds=time.perf_counter() - started,
                 )
+                reported = True
+        if reported:
+            self.reporter.soon()
 
     def _fill_group(
         self, group_idx: int, block_ids: list[int], mean: float, std: float

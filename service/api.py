@@ -8,10 +8,10 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from sqlalchemy import func, text
+from sqlalchemy import Engine, func, text
 from sqlmodel import Session, col, select
 
-from service import store
+from service import server_metrics, store
 from service.auth import require_admin, require_reader, require_worker
 from service.deps import DB, Sched
 from service.errors import ERROR_RESPONSES, Conflict, NotFound
@@ -26,12 +26,16 @@ from service.models import (
     RunSpec,
     RunStatus,
     SamplePublic,
+    ServerMetricsPublic,
+    ServerMetricsSummary,
+    ServerPointPublic,
     SweepCreate,
     SweepPublic,
     Worker,
     WorkerPublic,
     WorkerRegister,
     WorkerRegistered,
+    connector_totals,
 )
 from service.vllm_cli import serve_command
 
@@ -97,6 +101,24 @@ def get_requests(run_id: str, engine: DB) -> list[SamplePublic]:
     return [SamplePublic.model_validate(r, from_attributes=True) for r in store.get_samples(engine, run_id)]
 
 
+@router.get("/api/runs/{run_id}/server-metrics", response_model=ServerMetricsPublic, dependencies=READ)
+def get_server_metrics(run_id: str, engine: DB) -> ServerMetricsPublic:
+    """What the run's vLLM server reported on its /metrics during the run (t: seconds since
+    the first scrape), with counter deltas and gauge max/mean."""
+    store.get_run(engine, run_id)
+    points = _server_points(engine, run_id)
+    origin = points[0].t if points else 0.0
+    return ServerMetricsPublic(
+        run_id=run_id,
+        points=[ServerPointPublic(t=p.t - origin, values=p.values) for p in points],
+        summary=ServerMetricsSummary(**server_metrics.summarize(points)),
+    )
+
+
+def _server_points(engine: Engine, run_id: str) -> list[server_metrics.Point]:
+    return [server_metrics.Point(**row) for row in store.server_points(engine, run_id)]
+
+
 CSV_FIELDS = [
     "index", "prompt_len", "output_tokens", "success", "ttft", "tpot", "latency",
     "start_time", "due_time", "sent_time", "itl_count", "itl", "bunched", "error",
@@ -147,6 +169,9 @@ def export_run(
         "metadata": {"decodebench": {
             "mode": spec["mode"], "fill": spec["fill"], "warnings": run.warnings or [],
             "cpu_binding": run.cpu_binding,
+            "server_metrics": server_metrics.summarize(_server_points(engine, run_id)),
+            "connector": {**connector_totals((run.connector or {}).get("ranks", {})),
+                          "pulls": run.connector_pulls},
         }},
     }
     return JSONResponse(

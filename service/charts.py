@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from html import escape
 
+import numpy as np
 from markupsafe import Markup
 
 W, H = 560, 260
@@ -120,6 +121,84 @@ def lines(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str,
         frame.parts.append(f'<text x="{W - RIGHT - 4}" y="{TOP + 12 + 13 * i}" text-anchor="end" '
                            f'font-size="10" fill="{color}">{escape(name)}</text>')
     return frame.done()
+
+
+PANEL_H, PANEL_GAP = 120, 34
+# Points per drawn series: more is invisible at this width and only makes the page heavy.
+MAX_DRAWN = 1200
+
+
+def _thin(points: Sequence[tuple[float, float]], limit: int = MAX_DRAWN) -> list[tuple[float, float]]:
+    """At most ``limit`` points that keep each stretch's lowest and highest (min-max decimation)."""
+    if len(points) <= limit:
+        return list(points)
+    ys = np.array([p[1] for p in points])
+    keep = set()
+    for chunk in np.array_split(np.arange(len(points)), limit // 2):
+        keep.add(int(chunk[np.argmin(ys[chunk])]))
+        keep.add(int(chunk[np.argmax(ys[chunk])]))
+    return [points[i] for i in sorted(keep)]
+
+
+def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]]]], title: str,
+             xlabel: str) -> Markup:
+    """Series over one shared x axis, in stacked panels (one per ``(ylabel, series)``), drawn
+    as lines in the order given (points in order of x), with a legend per panel."""
+    panels = [(label, {k: v for k, v in series.items() if v}) for label, series in panels]
+    panels = [(label, series) for label, series in panels if series]
+    xs = [x for _, series in panels for pts in series.values() for x, _ in pts]
+    if not xs:
+        return empty(title)
+    x0, x1 = min(xs), max(xs)
+    if x1 <= x0:
+        x1 = x0 + 1.0
+    height = TOP + len(panels) * PANEL_H + (len(panels) - 1) * PANEL_GAP + BOTTOM
+
+    def px(x: float) -> float:
+        return LEFT + (x - x0) / (x1 - x0) * (W - LEFT - RIGHT)
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {W} {height}" '
+        f'width="{W}" height="{height}" role="img" aria-label="{escape(title)}">',
+        f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" '
+        f'font-weight="600">{escape(title)}</text>',
+    ]
+    color = 0
+    for i, (ylabel, series) in enumerate(panels):
+        top = TOP + i * (PANEL_H + PANEL_GAP)
+        bottom = top + PANEL_H
+        # Headroom above the highest point keeps the legend (top right) clear of the lines.
+        headroom = 1.1 + 0.15 * len(series)
+        y1 = max((y for pts in series.values() for _, y in pts), default=0.0) * headroom or 1.0
+
+        def py(y: float, top: float = top, y1: float = y1) -> float:
+            return top + PANEL_H - y / y1 * PANEL_H
+
+        for t in _ticks(0.0, y1, 4):
+            parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
+                         'stroke="#e3e6ee"/>')
+            parts.append(f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" text-anchor="end" '
+                         f'font-size="10">{_fmt(t)}</text>')
+        for t in _ticks(x0, x1):
+            parts.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{top}" y2="{bottom}" '
+                         'stroke="#f0f1f5"/>')
+        middle = (top + bottom) / 2
+        parts.append(f'<text x="12" y="{middle}" text-anchor="middle" font-size="11" '
+                     f'transform="rotate(-90 12 {middle})">{escape(ylabel)}</text>')
+        for j, (name, points) in enumerate(series.items()):
+            stroke = PALETTE[color % len(PALETTE)]
+            color += 1
+            path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in _thin(points))
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{stroke}" '
+                         'stroke-width="1.5"/>')
+            parts.append(f'<text x="{W - RIGHT - 4}" y="{top + 12 + 13 * j}" text-anchor="end" '
+                         f'font-size="10" fill="{stroke}">{escape(name)}</text>')
+    for t in _ticks(x0, x1):
+        parts.append(f'<text x="{px(t):.1f}" y="{height - BOTTOM + 14}" text-anchor="middle" '
+                     f'font-size="10">{_fmt(t)}</text>')
+    parts.append(f'<text x="{W / 2}" y="{height - 6}" text-anchor="middle" '
+                 f'font-size="11">{escape(xlabel)}</text>')
+    return Markup("".join([*parts, "</svg>"]))
 
 
 def empty(title: str) -> Markup:

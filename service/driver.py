@@ -104,9 +104,18 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
     )
 
     async def beat() -> None:
+        # Each beat says how busy this process was since the last one (CPU seconds per
+        # second, of one core) and how late the beat itself ran (the event loop's lag):
+        # a saturated driver sends late, and the run says so (``client_lag``).
+        cpu_then, then = time.process_time(), time.perf_counter()
+        emit({"kind": "beat"})
         while True:
-            emit({"kind": "beat"})
+            due = then + BEAT_S
             await asyncio.sleep(BEAT_S)
+            now, cpu_now = time.perf_counter(), time.process_time()
+            emit({"kind": "beat", "t": now, "cpu": round((cpu_now - cpu_then) / (now - then), 4),
+                  "lag_ms": round(max(0.0, now - due) * 1000, 3)})
+            cpu_then, then = cpu_now, now
 
     beating = asyncio.create_task(beat())
     try:
@@ -275,6 +284,8 @@ class Drivers:
         self.hang_s = hang_s
         self.log_paths: list[Path] = []
         self.procs: list[asyncio.subprocess.Process] = []
+        # Every beat of every shard: ``{"t", "cpu", "lag_ms", "shard"}``.
+        self.beats: list[dict[str, float]] = []
 
     @classmethod
     def for_run(cls, run_id: str, spec: RunSpec, base_url: str, served_model: str,
@@ -313,6 +324,9 @@ class Drivers:
                     all_ready.set()
             elif kind == "done":
                 durations.append(float(message["duration"]))
+            elif kind == "beat" and "cpu" in message:
+                self.beats.append({"t": float(message["t"]), "cpu": float(message["cpu"]),
+                                   "lag_ms": float(message["lag_ms"]), "shard": shard})
 
         try:
             for config in self.configs:

@@ -12,6 +12,12 @@ offsets (numpy arrays); each prompt is drawn when its request is sent, from
 (seed, request position), in fixed blocks, and a long one is streamed to the server
 block by block (chunked transfer encoding) so no whole prompt is ever held, as
 Python ints or as JSON. The same seed gives the same prompts and schedule.
+
+Arrivals are those ``vllm bench serve`` (vLLM 0.32) makes for the same seed, request
+rate, burstiness and ramp-up: gamma gaps from the legacy global numpy stream seeded with
+the seed (so they do not depend on the length draws), the first request waiting its own
+gap, and, at a fixed rate, the schedule stretched so the last request is due at exactly
+``num_prompts / request_rate``. See ``arrival_offsets``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import aiohttp
 import numpy as np
@@ -80,6 +86,26 @@ class Plan:
         return [int(t) for block in self.prompt_blocks(position) for t in block]
 
 
+class RampUp(BaseModel):
+    """A request rate that grows from ``start_rps`` to ``end_rps`` over the requests, like
+    ``vllm bench serve --ramp-up-strategy``; checked in ``RunSpec``, taken as given here."""
+
+    strategy: Literal["linear", "exponential"]
+    start_rps: float
+    end_rps: float
+
+    def rates(self, n: int) -> np.ndarray:
+        """The request rate of each of ``n`` requests: the start rate for the first, the
+        end rate for the last."""
+        progress = np.arange(n) / max(n - 1, 1)
+        if self.strategy == "linear":
+            return self.start_rps + (self.end_rps - self.start_rps) * progress
+        ratio = self.end_rps / self.start_rps
+        # Python's float power, not numpy's: numpy may use a SIMD power that differs from
+        # libm's in the last bit, and vLLM computes the rate with Python floats.
+        return np.array([self.start_rps * ratio ** float(p) for p in progress])
+
+
 class LoadShape(BaseModel):
     """What decides which requests are sent when: the part of a ``RunSpec`` a load
     driver needs (the driver does not import the service's models and database layer)."""
@@ -93,11 +119,14 @@ class LoadShape(BaseModel):
     request_rate: float | None
     burstiness: float
     max_concurrency: int | None
+    ramp_up: RampUp | None = None
 
     @classmethod
     def of(cls, spec: RunSpec | LoadShape) -> LoadShape:
         """The load shape of a run's spec."""
-        return cls(**{name: getattr(spec, name) for name in cls.model_fields})
+        return cls.model_validate(
+            {name: getattr(spec, name) for name in cls.model_fields}, from_attributes=True
+        )
 
 
 def _lengths(rng: np.random.Generator, center: int, ratio: float, n: int) -> np.ndarray:
@@ -106,26 +135,55 @@ def _lengths(rng: np.random.Generator, center: int, ratio: float, n: int) -> np.
     return rng.integers(low, high + 1, size=n)
 
 
+def arrival_offsets(
+    n: int, request_rate: float | None, burstiness: float, seed: int, ramp_up: RampUp | None = None
+) -> np.ndarray:
+    """When each of ``n`` requests is due (s from the schedule's start), exactly as
+    ``vllm bench serve`` (vLLM 0.32) schedules them for the same arguments and ``--seed``.
+
+    ``request_rate`` None or inf: all due at 0 (unless ``ramp_up`` sets the rates).
+    Request i waits a gamma gap of mean 1/rate_i and shape ``burstiness`` (1.0 is Poisson,
+    inf a constant 1/rate_i) after request i-1, the first one after the start. Without a
+    ramp-up the schedule is then stretched so the last request is due at n/request_rate,
+    as vLLM does to keep throughput comparable across seeds.
+    """
+    if n <= 0:
+        return np.zeros(0)
+    rate = math.inf if request_rate is None else float(request_rate)
+    if ramp_up is not None:
+        rates = ramp_up.rates(n)
+    elif math.isinf(rate):
+        return np.zeros(n)
+    else:
+        rates = np.full(n, rate)
+    if math.isinf(burstiness):
+        gaps = 1.0 / rates
+    else:
+        # The stream ``np.random.seed(seed)`` starts, drawn one gap per request in order;
+        # vLLM's random-dataset sampling does not touch it.
+        gaps = np.random.RandomState(seed).gamma(burstiness, 1.0 / (rates * burstiness))
+    offsets = np.cumsum(gaps)
+    if ramp_up is None and offsets[-1] != 0:
+        offsets = offsets * ((n / rate) / offsets[-1])
+    return offsets
+
+
 def make_plan(spec: RunSpec | LoadShape, vocab_size: int | None) -> Plan:
     """Build the seeded request schedule for ``spec``; the same seed gives the same plan."""
-    rng = np.random.default_rng(spec.seed)
-    total = spec.warmup_prompts + spec.num_prompts
-    input_lens = _lengths(rng, spec.input_len, spec.range_ratio, total)
-    output_lens = _lengths(rng, spec.output_len, spec.range_ratio, total)
-    if spec.request_rate is None:
-        offsets = np.zeros(spec.num_prompts)
-    else:
-        # Gamma gaps with mean 1/rate; shape = burstiness (1.0 is Poisson).
-        scale = 1.0 / (spec.request_rate * spec.burstiness)
-        gaps = rng.gamma(spec.burstiness, scale, size=spec.num_prompts)
-        offsets = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    shape = LoadShape.of(spec)
+    rng = np.random.default_rng(shape.seed)
+    total = shape.warmup_prompts + shape.num_prompts
+    input_lens = _lengths(rng, shape.input_len, shape.range_ratio, total)
+    output_lens = _lengths(rng, shape.output_len, shape.range_ratio, total)
+    offsets = arrival_offsets(shape.num_prompts, shape.request_rate, shape.burstiness, shape.seed,
+                              shape.ramp_up)
     return Plan(
-        seed=spec.seed,
+        seed=shape.seed,
         vocab_high=vocab_size if vocab_size is not None else DEFAULT_VOCAB_BOUND,
         input_lens=input_lens,
         output_lens=output_lens,
         offsets=offsets,
-        warmups=spec.warmup_prompts,
+        warmups=shape.warmup_prompts,
     )
 
 

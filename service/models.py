@@ -80,6 +80,8 @@ class FillSpec(Strict):
 EXTRA_ARGS: dict[str, type | tuple[str, ...] | None] = {
     "--max-num-seqs": int,
     "--max-num-batched-tokens": int,
+    # A small KV cache on purpose (to see where preemption starts): blocks, not bytes.
+    "--num-gpu-blocks-override": int,
     "--block-size": int,
     "--seed": int,
     "--kv-cache-dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"),
@@ -134,6 +136,25 @@ class GoodputSpec(Strict):
     e2el_ms: float | None = Field(default=None, gt=0, le=1e9)
 
 
+class RampUpSpec(Strict):
+    """A request rate growing from ``start_rps`` (first request) to ``end_rps`` (last), like
+    ``vllm bench serve --ramp-up-strategy/--ramp-up-start-rps/--ramp-up-end-rps``."""
+
+    strategy: Literal["linear", "exponential"]
+    # vLLM's CLI lets a linear ramp start at 0, then fails on the first request's rate.
+    start_rps: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    end_rps: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _rising(self) -> RampUpSpec:
+        if self.start_rps > self.end_rps:
+            raise ValueError(
+                f"ramp_up.start_rps ({self.start_rps:g}) must not be above ramp_up.end_rps "
+                f"({self.end_rps:g})"
+            )
+        return self
+
+
 class RunSpec(Strict):
     """What one benchmark run measures; see DESIGN.md "RunSpec"."""
 
@@ -151,6 +172,7 @@ class RunSpec(Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     goodput: GoodputSpec = Field(default_factory=GoodputSpec)
     seed: Int = Field(default=0, ge=0, le=2**32 - 1)
+    ramp_up: RampUpSpec | None = None
 
     @field_validator("model")
     @classmethod
@@ -170,6 +192,15 @@ class RunSpec(Strict):
                 "'org/name', or an absolute path to a local model directory"
             )
         return value
+
+    @model_validator(mode="after")
+    def _one_rate(self) -> RunSpec:
+        if self.ramp_up is not None and self.request_rate is not None:
+            raise ValueError(
+                "ramp_up sets the request rate: leave request_rate null when ramp_up is given "
+                "(vllm bench serve refuses --request-rate with --ramp-up-strategy)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fits(self) -> RunSpec:
@@ -592,8 +623,14 @@ class RunCounters(Strict):
     """One run's cumulative counters from one connector side."""
 
     requests_seen: Counter | None = None
+    filled_requests: Counter | None = None
     prefill_requests: Counter | None = None
-    fallback_requests: Counter | None = None
+    cached_requests: Counter | None = None
+    unresolved_requests: Counter | None = None
+    dropped_requests: Counter | None = None
+    recomputed_requests: Counter | None = None
+    waited_requests: Counter | None = None
+    error: Annotated[str, Field(max_length=1000)] | None = None
     requests_filled: Counter | None = None
     blocks_filled: Counter | None = None
     bytes_filled: Counter | None = None
@@ -607,23 +644,35 @@ class ConnectorReport(Strict):
     rank: Int = Field(ge=0, le=1024)
     runs: dict[Annotated[str, Field(max_length=64)], RunCounters] = Field(max_length=4096)
 
-    def counters(self) -> dict[str, dict[str, float]]:
+    def counters(self) -> dict[str, dict[str, float | str]]:
         """Per run, the counters that were sent."""
         return {run: c.model_dump(exclude_none=True) for run, c in self.runs.items()}
 
 
-def connector_totals(ranks: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """One run's connector report: every rank fills the same blocks of its own heads,
-    so requests and blocks are per rank (max), bytes add up, and time is the slowest rank."""
+SCHEDULER_COUNTERS = ("requests_seen", "filled_requests", "prefill_requests", "cached_requests",
+                      "unresolved_requests", "dropped_requests", "recomputed_requests",
+                      "waited_requests")
+
+
+def connector_totals(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One run's connector report. The scheduler side decides per request (its counters
+    add up); every worker rank fills the same blocks of its own heads, so requests and
+    blocks are per rank: ``requests_filled`` is the rank that filled fewest (a rank that
+    missed a fill shows), bytes add up, and time is the slowest rank's.
+    ``other_requests`` (not treated as the run's mode says) must be 0 for a run to succeed."""
     workers = [c for key, c in ranks.items() if key.startswith("worker:")]
     schedulers = [c for key, c in ranks.items() if key.startswith("scheduler:")]
     total: dict[str, Any] = {}
-    for name in ("requests_seen", "prefill_requests", "fallback_requests"):
+    for name in SCHEDULER_COUNTERS:
         total[name] = int(sum(c.get(name, 0) for c in schedulers))
-    for name in ("requests_filled", "blocks_filled"):
-        total[name] = int(max((c.get(name, 0) for c in workers), default=0))
+    total["other_requests"] = total["unresolved_requests"] + total["dropped_requests"]
+    total["requests_filled"] = int(min((c.get("requests_filled", 0) for c in workers), default=0))
+    total["blocks_filled"] = int(max((c.get("blocks_filled", 0) for c in workers), default=0))
     total["bytes_filled"] = int(sum(c.get("bytes_filled", 0) for c in workers))
     total["fill_seconds"] = max((c.get("fill_seconds", 0.0) for c in workers), default=0.0)
+    total["worker_ranks"] = len(workers)
+    errors = [str(c["error"]) for c in schedulers if c.get("error")]
+    total["error"] = errors[0] if errors else None
     return total
 
 
@@ -634,3 +683,48 @@ class FillAnswer(BaseModel):
     mode: Literal["fill", "prefill"]
     mean: float
     std: float
+
+
+# --- server metrics (vLLM's /metrics, scraped during a run) -----------------------------
+
+SERVER_POINT_INDEX = "uq_server_metric_point_run_t"
+
+
+class ServerMetricPoint(SQLModel, table=True):
+    """One scrape of a run's vLLM server, ``t`` in seconds on the clock of the run's samples
+    (``time.perf_counter``, where the runner puts it), ``values`` as ``server_metrics.parse``
+    keeps them."""
+
+    # Unique: a point handed over twice (a periodic save that resends) is stored once.
+    __table_args__ = (Index(SERVER_POINT_INDEX, "run_id", "t", unique=True),)
+
+    id: int | None = SQLField(default=None, primary_key=True)
+    run_id: str = SQLField(foreign_key="run.id")
+    t: float
+    values: dict[str, float] = SQLField(sa_column=Column(JSON, nullable=False))
+
+
+class ServerPointPublic(BaseModel):
+    """One scrape: seconds since the run's first scrape, and the values kept."""
+
+    t: float
+    values: dict[str, float]
+
+
+class ServerMetricsSummary(BaseModel):
+    """Counter deltas over the run (null: the counter went down, the server restarted),
+    gauge max and time-weighted mean, how many points and the seconds they span."""
+
+    deltas: dict[str, float | None]
+    max: dict[str, float]
+    mean: dict[str, float]
+    points: int
+    span_s: float
+
+
+class ServerMetricsPublic(BaseModel):
+    """The server's own view of a run, as scraped from its ``/metrics``."""
+
+    run_id: str
+    points: list[ServerPointPublic]
+    summary: ServerMetricsSummary

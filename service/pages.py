@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
+from markupsafe import Markup
 
-from service import charts, store
+from service import charts, server_metrics, store
 from service.auth import COOKIE, is_admin, require_page_reader
 from service.deps import DB
+from service.metrics import Sample as SampleData
 from service.models import RunStatus, connector_totals
 
 # HTML for people, not part of the REST API's schema.
@@ -79,7 +83,8 @@ def index(
 def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
     """One run: its spec, status, and every summary number."""
     run = store.get_run(engine, run_id)
-    samples = [s for s in store.get_sample_data(engine, run_id) if s.success]
+    every = store.get_sample_data(engine, run_id)
+    samples = [s for s in every if s.success]
     origin = min((s.start_time for s in samples), default=0.0)
     tpots = [t * 1000 for s in samples if (t := s.tpot()) is not None]
     chart_list = [
@@ -95,6 +100,7 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
         "run.html",
         {
             "charts": chart_list,
+            "server_view": server_view(store.server_points(engine, run_id), every),
             "worker": worker,
             "run": run,
             "summary": run.summary or {},
@@ -103,6 +109,33 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
             "latencies": LATENCIES,
             "stats": STATS,
         },
+    )
+
+
+def server_view(points: Sequence[Mapping[str, Any]], samples: Sequence[SampleData]) -> Markup | None:
+    """The server's running/waiting requests and KV cache use next to the requests the client
+    had in flight, on one time line (seconds since the first request); None with no points.
+
+    ``points`` are stored scrapes, ``t`` on the samples' clock."""
+    if not points:
+        return None
+    starts = np.array([s.start_time for s in samples], dtype=np.float64)
+    origin = float(starts.min()) if starts.size else float(points[0]["t"])
+
+    def gauge(name: str, scale: float = 1.0) -> list[tuple[float, float]]:
+        return [(p["t"] - origin, p["values"][name] * scale) for p in points if name in p["values"]]
+
+    times, counts = server_metrics.in_flight(starts, [s.latency for s in samples])
+    return charts.timeline(
+        [
+            ("requests", {
+                "running (server)": gauge(server_metrics.RUNNING),
+                "waiting (server)": gauge(server_metrics.WAITING),
+                "in flight (client)": list(zip((times - origin).tolist(), counts.tolist(), strict=True)),
+            }),
+            ("KV cache used (%)", {"KV cache used (server)": gauge(server_metrics.KV_USAGE, 100.0)}),
+        ],
+        "Server view", "seconds since the run's first request",
     )
 
 

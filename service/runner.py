@@ -13,18 +13,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from sqlalchemy import Engine
 
 from service import store
+from service.checks import (
+    Point,
+    asked_concurrency,
+    client_warnings,
+    connector_verdict,
+    infeasible,
+    server_warnings,
+)
 from service.driver import DriverError, DriverPool, Drivers
 from service.handles import WorkerError, WorkerHandle
 from service.launcher import Launcher
 from service.metrics import Sample, run_warnings, summarize
-from service.models import RunSpec, RunStatus, utcnow
+from service.models import RunSpec, RunStatus, connector_totals, utcnow
+from service.server_metrics import Point as ScrapedPoint
+from service.server_metrics import Scraper
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,6 +47,10 @@ PERSIST_EVERY_S = 0.5
 WATCH_EVERY_S = 0.5
 # Tries (with a growing pause) for the write that ends a run.
 END_TRIES = 5
+# The worker's /metrics is scraped this often during a run, and at its start and end.
+SCRAPE_EVERY_S = 0.5
+# After the last response, the connector's counters for the run are awaited this long.
+REPORT_WAIT_S = 3.0
 
 
 @dataclass
@@ -68,6 +84,10 @@ class Runner:
         self.cancelled_by_user = cancelled_by_user
         self.samples: list[Sample] = []
         self._saved = 0
+        # The worker's /metrics during the run, ``t`` on the samples' clock (perf_counter).
+        self.points: list[Point] = []
+        self._saved_points = 0
+        self.beats: list[dict[str, float]] = []
         self.handle: WorkerHandle | None = None
 
     # ------------------------------------------------------------ samples
@@ -78,6 +98,10 @@ class Runner:
         if new:
             store.save_samples(self.engine, self.run_id, new)
             self._saved += len(new)
+        points = self.points[self._saved_points:]
+        if points:
+            store.save_server_points(self.engine, self.run_id, points)
+            self._saved_points += len(points)
         ok = sum(s.success for s in self.samples)
         store.update_fields(self.engine, self.run_id, completed=ok, failed=len(self.samples) - ok)
 
@@ -125,10 +149,11 @@ class Runner:
         # pull is only answered for runs assigned to the asking worker.
         store.update_fields(self.engine, self.run_id, worker_id=handle.id,
                             cpu_binding=handle.cpu_binding)
-        needed = self.spec.longest_request_tokens()
-        if handle.kv_tokens is not None and needed > handle.kv_tokens:
-            raise RunFailed(f"infeasible: one request needs {needed} tokens of KV cache and this "
-                            f"server holds {handle.kv_tokens}; not run")
+        spec = self.spec
+        batch = asked_concurrency(spec.max_concurrency, spec.num_prompts, spec.request_rate)
+        reason = infeasible(batch or 1, spec.longest_request_tokens(), handle.kv_tokens)
+        if reason is not None:
+            raise RunFailed(reason)
         if not store.transition(self.engine, self.run_id, RunStatus.running, started_at=utcnow()):
             return
         duration = await self._measure(handle)
@@ -138,6 +163,12 @@ class Runner:
             raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
         samples = self.samples
         summary = summarize(samples, duration, self.spec.goodput.model_dump(exclude_none=True))
+        answered = sum(s.success for s in samples) + self.spec.warmup_prompts
+        totals = await self._connector_totals(answered)
+        failure, warnings = connector_verdict(totals, self.spec.mode, answered)
+        if failure is not None:
+            await self._end(RunStatus.failed, failure, summary=summary)
+            return
         ok = [s for s in samples if s.success]
         if len(ok) < len(samples) and not await self._healthy(handle):
             # A server that stopped answering is not reused: the next run gets a new one.
@@ -152,7 +183,32 @@ class Runner:
             await self._end(RunStatus.failed, f"every request failed; first error: {first_error}\n"
                       f"last log lines of the vLLM server:\n{handle.tail()}", summary=summary)
             return
-        await self._end(RunStatus.succeeded, None, summary=summary, warnings=run_warnings(samples, summary))
+        open_loop = self.spec.request_rate is not None
+        warnings = [
+            *run_warnings(samples, summary),
+            *warnings,
+            *server_warnings(self.points, samples, batch,
+                             recomputed=int(totals.get("recomputed_requests", 0))),
+            *client_warnings(samples, self.beats, open_loop),
+        ]
+        await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings)
+
+    async def _connector_totals(self, answered: int) -> dict[str, Any]:
+        """The connector's counters for this run once they account for the ``answered``
+        requests (both sides report shortly after a request ends), or what is there after
+        ``REPORT_WAIT_S``."""
+        deadline = time.monotonic() + REPORT_WAIT_S
+        tp = self.spec.engine.tensor_parallel_size
+        while True:
+            run = store.get_run(self.engine, self.run_id)
+            totals = connector_totals((run.connector or {}).get("ranks", {}))
+            complete = totals["requests_seen"] >= answered and (
+                totals["filled_requests"] == 0
+                or (totals["worker_ranks"] >= tp and totals["requests_filled"] >= totals["filled_requests"])
+            )
+            if complete or time.monotonic() >= deadline:
+                return totals
+            await asyncio.sleep(0.1)
 
     async def _worker(self) -> WorkerHandle:
         if self.placement.reuse is not None:
@@ -170,6 +226,7 @@ class Runner:
             self.run_id, self.spec, handle.url, handle.served_model, handle.vocab_size,
             self.settings.request_timeout_s, self.drivers, self.settings.driver_hang_s,
         )
+        self.beats = drivers.beats
         failures = [0]
 
         def on_sample(sample: Sample) -> None:
@@ -177,9 +234,20 @@ class Runner:
             if not sample.success:
                 failures[0] += 1
 
+        scraper = Scraper(self.launcher.client, handle.url, every_s=SCRAPE_EVERY_S)
+        # Scrapes are stamped with the wall clock; samples with perf_counter (one clock for
+        # every process of this machine): points are moved onto the samples' clock.
+        to_perf = time.perf_counter() - time.time()
+
+        def on_point(point: ScrapedPoint) -> None:
+            self.points.append((point.t + to_perf, point.values))
+
+        if (first := await scraper.scrape()) is not None:
+            on_point(first)
         measure = asyncio.create_task(drivers.run(on_sample))
         watchdog = asyncio.create_task(self._watch(handle, failures))
         persister = asyncio.create_task(self._persist_every())
+        scraping = asyncio.create_task(scraper.run(on_point))
         try:
             await asyncio.wait({measure, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not measure.done():
@@ -187,11 +255,16 @@ class Runner:
                 measure.cancel()
                 await asyncio.gather(measure, return_exceptions=True)
                 raise watchdog.result()
-            return measure.result()
+            duration = measure.result()
+            scraping.cancel()
+            await asyncio.gather(scraping, return_exceptions=True)
+            if (last := await scraper.scrape()) is not None:
+                on_point(last)
+            return duration
         finally:
-            for task in (measure, watchdog, persister):
+            for task in (measure, watchdog, persister, scraping):
                 task.cancel()
-            await asyncio.gather(measure, watchdog, persister, return_exceptions=True)
+            await asyncio.gather(measure, watchdog, persister, scraping, return_exceptions=True)
 
     async def _end(self, status: RunStatus | None, error: str | None, **fields: object) -> None:
         """The one way out: save what is left of the samples and write the end state

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import Engine, func, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -29,6 +30,7 @@ from service.models import (
     RunSpec,
     RunStatus,
     Sample,
+    ServerMetricPoint,
     Sweep,
     SweepCreate,
     SweepPublic,
@@ -210,7 +212,7 @@ def record_pull(engine: Engine, run_id: str) -> None:
 
 
 def record_report(
-    engine: Engine, worker_id: str, source: str, runs: dict[str, dict[str, float]]
+    engine: Engine, worker_id: str, source: str, runs: dict[str, dict[str, float | str]]
 ) -> int:
     """Store a connector's cumulative counters for the runs this worker served; return how many."""
     stored = 0
@@ -223,6 +225,8 @@ def record_report(
             ranks = dict(report.get("ranks", {}))
             ranks[source] = counters
             report["ranks"] = ranks
+            # When each side last reported: the runner waits for reports newer than a run's end.
+            report["reported_at"] = {**report.get("reported_at", {}), source: time.time()}
             run.connector = report
             session.add(run)
             stored += 1
@@ -371,3 +375,45 @@ def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
     progress["infeasible"] = sum(bool(r.error and r.error.startswith("infeasible")) for r in runs)
     return SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
                        progress=progress, runs=[RunPublic.of(r) for r in runs])
+
+
+# --- server metrics: scrapes of a run's vLLM /metrics ---------------------------------------
+
+
+class _ScrapedPoint(Protocol):
+    @property
+    def t(self) -> float: ...
+
+    @property
+    def values(self) -> Mapping[str, float]: ...
+
+
+ScrapedPoint = _ScrapedPoint | tuple[float, Mapping[str, float]]
+
+
+def save_server_points(engine: Engine, run_id: str, points: Sequence[ScrapedPoint]) -> None:
+    """Store scrapes of a run's server, as ``(t, values)`` pairs or objects with ``t`` and
+    ``values``. A point already stored at its (run, t) is kept once."""
+    rows = []
+    for point in points:
+        t, values = point if isinstance(point, tuple) else (point.t, point.values)
+        rows.append({"run_id": run_id, "t": float(t), "values": dict(values)})
+    if not rows:
+        return
+    with Session(engine) as session:
+        for i in range(0, len(rows), SAVE_SLICE):
+            session.exec(
+                sqlite_insert(ServerMetricPoint).values(rows[i:i + SAVE_SLICE]).on_conflict_do_nothing()
+            )
+        session.commit()
+
+
+def server_points(engine: Engine, run_id: str) -> list[dict[str, Any]]:
+    """A run's stored scrapes, oldest first: ``{"t", "values"}`` each."""
+    with Session(engine) as session:
+        rows = session.exec(
+            select(ServerMetricPoint)
+            .where(ServerMetricPoint.run_id == run_id)
+            .order_by(col(ServerMetricPoint.t))
+        ).all()
+        return [{"t": r.t, "values": r.values} for r in rows]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import shlex
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from service.app import create_app
@@ -22,9 +25,17 @@ API_TOKEN = "test-api-token"
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
     """Settings for a test service in ``tmp_path``, with the stub vLLM by default."""
     values: dict[str, Any] = {
+        "control_url": f"http://127.0.0.1:{free_port()}",
         "data_dir": tmp_path / "var",
         "vllm_command": STUB_COMMAND,
         "gpus": "",
@@ -37,9 +48,40 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
     return Settings(**values)
 
 
-def make_client(tmp_path: Path, **overrides: Any) -> TestClient:
+class ServedTestClient(TestClient):
+    """A TestClient whose app is also served over real HTTP at the settings' ``control_url``,
+    while it is entered: the workers' connectors (and the stub's stand-in for one) pull
+    fill values from the service and report back, as they do from a real deployment."""
+
+    def __init__(self, settings: Settings, **kwargs: Any) -> None:
+        super().__init__(create_app(settings), **kwargs)
+        self.control_url = settings.control_base_url()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> ServedTestClient:
+        super().__enter__()  # the app's lifespan runs here, once; the HTTP side shares its state
+        host, port = self.control_url.removeprefix("http://").split(":")
+        config = uvicorn.Config(self.app, host=host, port=int(port), lifespan="off",
+                                log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+        super().__exit__(*args)
+
+
+def make_client(tmp_path: Path, **overrides: Any) -> ServedTestClient:
     """A TestClient (not yet entered) that sends the API token, on a fresh service."""
-    return TestClient(create_app(make_settings(tmp_path, **overrides)), headers=AUTH)
+    return ServedTestClient(make_settings(tmp_path, **overrides), headers=AUTH)
 
 
 @pytest.fixture

@@ -12,8 +12,16 @@ Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers
 ``STUB_IGNORE_SIGTERM`` (only SIGKILL stops it), ``STUB_GRANDCHILD`` (spawns a
 long-lived grandchild in its process group; its pid goes to /stub/requests),
 ``STUB_BUNCHED`` (each stream is made at the usual pace but sent in one write at its
-end, as a starved client or a buffering proxy would see it). ``/stub/requests``
-also shows the process's pid and the vLLM CPU binding variables it was started with.
+end, as a starved client or a buffering proxy would see it), ``STUB_MAX_RUNNING``
+(at most that many streams run at once; the others wait in the stub's queue and
+``/metrics`` shows them waiting). ``/stub/requests`` also shows the process's pid
+and the vLLM CPU binding variables it was started with.
+
+Like a server with decodebench's connector, it pulls each tagged run's fill values
+from the service named in ``--kv-transfer-config`` and reports the run's
+counters back (a request of a ``fill`` run counts as filled, of a ``prefill`` run
+as prefilled); ``STUB_NO_CONNECTOR`` turns that off, as a server that cannot reach
+the service would be.
 """
 
 from __future__ import annotations
@@ -30,16 +38,62 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
-def build_app(served_name: str, interval: float, startup_delay: float) -> FastAPI:
+class Connector:
+    """What the stub's "connector" knows: the service to ask, each run's mode and counters."""
+
+    def __init__(self, kv_transfer_config: str | None) -> None:
+        extra: dict[str, Any] = {}
+        if kv_transfer_config and not os.environ.get("STUB_NO_CONNECTOR"):
+            extra = json.loads(kv_transfer_config).get("kv_connector_extra_config", {})
+        self.url = extra.get("control_url")
+        self.headers = {"Authorization": f"Bearer {extra.get('worker_token', '')}"}
+        self.modes: dict[str, str] = {}
+        self.counters: dict[str, dict[str, int]] = {}
+
+    async def admitted(self, run_id: str) -> None:
+        """Count one request of ``run_id``, pulling the run's mode the first time."""
+        if self.url is None:
+            return
+        if run_id not in self.modes:
+            async with httpx.AsyncClient() as client:
+                answer = await client.get(f"{self.url}/api/connector/fill",
+                                          params={"run_id": run_id}, headers=self.headers)
+            self.modes[run_id] = answer.json()["mode"] if answer.status_code == 200 else "unresolved"
+        mode = self.modes[run_id]
+        counts = self.counters.setdefault(run_id, {"requests_seen": 0})
+        counts["requests_seen"] += 1
+        key = {"fill": "filled_requests", "prefill": "prefill_requests"}.get(mode, "unresolved_requests")
+        counts[key] = counts.get(key, 0) + 1
+
+    async def report(self) -> None:
+        """Send both sides' cumulative counters, as the connector does after a request ends."""
+        if self.url is None or not self.counters:
+            return
+        scheduler = {run: dict(c) for run, c in self.counters.items()}
+        worker = {run: {"requests_filled": c.get("filled_requests", 0)}
+                  for run, c in self.counters.items()}
+        async with httpx.AsyncClient() as client:
+            for role, runs in (("scheduler", scheduler), ("worker", worker)):
+                await client.post(f"{self.url}/api/connector/report", headers=self.headers,
+                                  json={"role": role, "rank": 0, "runs": runs})
+
+
+def build_app(served_name: str, interval: float, startup_delay: float,
+              kv_transfer_config: str | None = None) -> FastAPI:
     """The stub's app."""
     app = FastAPI()
+    connector = Connector(kv_transfer_config)
+    max_running = int(os.environ.get("STUB_MAX_RUNNING", "0"))
+    slots = asyncio.Semaphore(max_running) if max_running else None
     started = time.monotonic()
-    state: dict[str, Any] = {"requests": 0, "open": 0, "hung": False, "grandchild": None,
+    state: dict[str, Any] = {"requests": 0, "open": 0, "waiting": 0, "hung": False,
+                             "grandchild": None,
                              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                              "pid": os.getpid(),
                              "cpu_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}}
@@ -64,8 +118,17 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         blocks = os.environ.get("STUB_KV_BLOCKS", "100000")
+        labels = f'model_name="{served_name}",engine="0"'
         return PlainTextResponse(
             f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{labels}}} {state['open'] - state['waiting']}\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} {state['waiting']}\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} 0.01\n"
+            "# TYPE vllm:num_preemptions counter\n"
+            f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
         )
 
     @app.get("/stub/requests")
@@ -81,11 +144,23 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
         n_in = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
 
         number = state["requests"]
+        params = body.get("kv_transfer_params") or {}
+        run_id = params.get("decodebench_run_id") if isinstance(params, dict) else None
 
         async def stream() -> AsyncIterator[bytes]:
             state["open"] += 1
             held: list[bytes] = []
+            slot = None
             try:
+                if slots is not None:
+                    state["waiting"] += 1
+                    try:
+                        await slots.acquire()
+                        slot = slots
+                    finally:
+                        state["waiting"] -= 1
+                if run_id:
+                    await connector.admitted(run_id)
                 for i in range(n_out):
                     if crash_after and number >= crash_after and i == n_out // 2:
                         print("stub: crashing mid-stream as told", flush=True)
@@ -108,8 +183,12 @@ def build_app(served_name: str, interval: float, startup_delay: float) -> FastAP
                          "total_tokens": n_in + n_out}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
+                if run_id:
+                    await connector.report()
             finally:
                 state["open"] -= 1
+                if slot is not None:
+                    slot.release()
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -123,6 +202,7 @@ def main() -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--kv-transfer-config", default=None)
     args, _unknown = parser.parse_known_args()
     if os.environ.get("STUB_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -134,6 +214,7 @@ def main() -> None:
         args.served_model_name or args.model,
         float(os.environ.get("STUB_TOKEN_INTERVAL_S", "0.002")),
         float(os.environ.get("STUB_STARTUP_DELAY_S", "0")),
+        args.kv_transfer_config,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = _KeepSignals(config) if os.environ.get("STUB_IGNORE_SIGTERM") else uvicorn.Server(config)

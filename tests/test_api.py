@@ -41,12 +41,28 @@ def test_submit_returns_201_with_the_run_queued_and_defaults_filled(client: Test
         ({"engine": {"extra_args": ["--max-num-seqs=abc"]}}, "positive integer"),
         ({"input_len": 131072, "output_len": 128}, "max length"),
         ({"request_rate": 0}, "request_rate"),
+        ({"ramp_up": {"strategy": "exponential", "start_rps": 0, "end_rps": 16}}, "start_rps"),
+        ({"ramp_up": {"strategy": "linear", "start_rps": 0, "end_rps": 16}}, "greater than 0"),
+        ({"ramp_up": {"strategy": "linear", "start_rps": 10, "end_rps": 2}}, "must not be above"),
+        ({"ramp_up": {"strategy": "linear", "start_rps": 1}}, "end_rps"),
+        ({"ramp_up": {"strategy": "quadratic", "start_rps": 1, "end_rps": 2}}, "exponential"),
+        ({"ramp_up": {"strategy": "linear", "start_rps": 1, "end_rps": 2, "shape": 3}}, "shape"),
+        ({"request_rate": 5, "ramp_up": {"strategy": "linear", "start_rps": 1, "end_rps": 10}},
+         "leave request_rate null"),
     ],
 )
 def test_bad_spec_is_422_with_a_message(client: TestClient, body: dict[str, Any], needle: str) -> None:
     response = client.post("/api/runs", json=body)
     assert response.status_code == 422, response.text
     assert needle in _detail_text(response)
+
+
+def test_sweep_of_request_rates_over_a_ramp_up_is_422(client: TestClient) -> None:
+    base = {"num_prompts": 2, "ramp_up": {"strategy": "linear", "start_rps": 1, "end_rps": 10}}
+    response = client.post("/api/sweeps", json={"base": base, "grid": {"request_rate": [None, 4.0]}})
+    assert response.status_code == 422, response.text
+    assert "leave request_rate null" in _detail_text(response)
+    assert client.get("/api/runs").json()["total"] == 0
 
 
 def test_body_that_is_not_json_is_422(client: TestClient) -> None:

@@ -45,15 +45,19 @@ def test_report_totals_add_bytes_across_ranks_and_keep_per_rank_counts(client: T
                 "runs": {run["id"]: {**per_rank, "fill_seconds": seconds}}}
         assert client.post("/api/connector/report", json=body, headers=auth).status_code == 204
     body = {"role": "scheduler", "rank": 0,
-            "runs": {run["id"]: {"requests_seen": 2, "fallback_requests": 1}}}
+            "runs": {run["id"]: {"requests_seen": 2, "filled_requests": 1, "unresolved_requests": 1,
+                                 "error": "HTTP 404 not this worker's run"}}}
     assert client.post("/api/connector/report", json=body, headers=auth).status_code == 204
     connector = client.get(f"/api/runs/{run['id']}").json()["connector"]
     assert connector["requests_filled"] == 2 and connector["blocks_filled"] == 10
     assert connector["bytes_filled"] == 10_000
     assert connector["fill_seconds"] == 0.03
-    assert connector["fallback_requests"] == 1 and connector["requests_seen"] == 2
+    assert connector["requests_seen"] == 2 and connector["filled_requests"] == 1
+    assert connector["other_requests"] == 1
+    assert connector["error"] == "HTTP 404 not this worker's run"
     page = client.get(f"/runs/{run['id']}").text
     assert "10,000" in page
+    assert "treated otherwise" in page and "HTTP 404 not this worker&#39;s run" in page
 
 
 def test_reports_are_cumulative_so_a_repeat_changes_nothing(client: TestClient) -> None:

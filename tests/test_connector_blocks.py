@@ -131,24 +131,96 @@ def test_hybrid_groups_fill_their_own_blocks_and_skip_null_ones(tmp_path: Path) 
     assert not set(full) & set(window)
 
 
-def test_requests_of_two_runs_in_one_step_carry_their_own_values(tmp_path: Path) -> None:
+def _until_filled(sched: Any, want: set[str], max_steps: int = 2000) -> dict[str, Any]:
+    """Step (as the engine does, 1 ms apart when idle) until every request in ``want``
+    was scheduled; return the merged metadata and the steps taken, per request."""
+    import time
+
+    values: dict[str, tuple[float, float]] = {}
+    runs: dict[str, str] = {}
+    filled: set[str] = set()
+    scheduled_at: dict[str, int] = {}
+    for n in range(max_steps):
+        out, meta = h.step(sched)
+        for req_id in out.num_scheduled_tokens:
+            scheduled_at.setdefault(req_id, n)
+        filled |= set(meta.reqs_to_fill)
+        values.update(meta.fill_values)
+        runs.update(meta.run_ids)
+        if want <= set(scheduled_at):
+            break
+        time.sleep(0.001)
+    return {"filled": filled, "values": values, "runs": runs, "scheduled_at": scheduled_at}
+
+
+def test_requests_of_two_runs_carry_their_own_values(tmp_path: Path) -> None:
     control = Control()
     try:
-        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t",
-                                                  "pull_timeout_s": 2.0})
+        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
         sched = h.scheduler(config, _one_group())
         sched.add_request(h.request(_prompt(300), run_id="r-a", request_id="a"))
         sched.add_request(h.request(_prompt(300, 500), run_id="p-b", request_id="b"))
         sched.add_request(h.request(_prompt(300, 900), request_id="c"))
-        _, meta = h.step(sched)
+        seen = _until_filled(sched, {"a", "b", "c"})
     finally:
         control.server.shutdown()
         control.server.server_close()
     # "r-a" is a fill run (service values), "p-b" a prefill run (no fill), "c" untagged (defaults).
-    assert set(meta.reqs_to_fill) == {"a", "c"}
-    assert meta.fill_values == {"a": (0.25, 0.5), "c": (0.015, 0.0)}
-    assert meta.run_ids == {"a": "r-a"}
+    assert seen["filled"] == {"a", "c"}
+    assert seen["values"] == {"a": (0.25, 0.5), "c": (0.015, 0.0)}
+    assert seen["runs"] == {"a": "r-a"}
     assert control.hits == 2
+    counters = sched.connector.connector_scheduler.reporter.snapshot
+    assert counters("r-a") == {"requests_seen": 1, "waited_requests": 1, "filled_requests": 1}
+    assert counters("p-b") == {"requests_seen": 1, "waited_requests": 1, "prefill_requests": 1}
+
+
+def test_a_slow_pull_holds_only_its_own_run_in_the_queue(tmp_path: Path) -> None:
+    control = Control()
+    control.delay = 0.3
+    try:
+        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
+        sched = h.scheduler(config, _one_group())
+        sched.add_request(h.request(_prompt(300), run_id="r-slow", request_id="slow"))
+        sched.add_request(h.request(_prompt(300, 900), request_id="untagged"))
+        import time
+
+        started = time.perf_counter()
+        out, meta = h.step(sched)
+        first_step = time.perf_counter() - started
+        # The engine thread did not wait for the pull, the untagged request went ahead, and
+        # the run's request waits in vLLM's queue instead of being guessed.
+        assert first_step < 0.1, first_step
+        assert set(out.num_scheduled_tokens) == {"untagged"}
+        assert "slow" not in meta.reqs_to_fill
+        assert [r.request_id for r in sched.waiting] == ["slow"]
+        seen = _until_filled(sched, {"slow"})
+    finally:
+        control.server.shutdown()
+        control.server.server_close()
+    assert seen["values"]["slow"] == (0.25, 0.5)
+    assert seen["scheduled_at"]["slow"] > 10  # it was asked again, step after step
+
+
+def test_a_prefill_run_after_a_fill_run_fills_nothing(tmp_path: Path) -> None:
+    control = Control()
+    try:
+        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
+        sched = h.scheduler(config, _one_group())
+        sched.add_request(h.request(_prompt(300), run_id="r-1", request_id="f1"))
+        fill = _until_filled(sched, {"f1"})
+        h.run_until_idle(sched)
+        sched.add_request(h.request(_prompt(300, 2000), run_id="p-2", request_id="p1"))
+        sched.add_request(h.request(_prompt(300, 4000), run_id="p-2", request_id="p2"))
+        prefill = _until_filled(sched, {"p1", "p2"})
+        h.run_until_idle(sched)
+    finally:
+        control.server.shutdown()
+        control.server.server_close()
+    assert fill["filled"] == {"f1"}
+    assert prefill["filled"] == set() and prefill["values"] == {}
+    counters = sched.connector.connector_scheduler.reporter.snapshot("p-2")
+    assert counters["prefill_requests"] == 2 and "filled_requests" not in counters
 
 
 def test_no_state_left_after_thousands_of_finished_and_aborted_requests(tmp_path: Path) -> None:
@@ -190,21 +262,23 @@ def test_preempted_request_is_recomputed_not_filled_again(tmp_path: Path) -> Non
     assert sched.connector.connector_scheduler.tracked_requests() == 0
 
 
-def test_failed_pull_is_counted_per_run_for_the_service(tmp_path: Path) -> None:
+def test_failed_pull_is_never_filled_with_other_values_and_is_reported(tmp_path: Path) -> None:
     control = Control()
     control.behaviour = "error"
     try:
         config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t",
-                                                  "pull_timeout_s": 2.0, "fill_mean": 0.2})
+                                                  "pull_deadline_s": 0.3, "fill_mean": 0.2})
         sched = h.scheduler(config, _one_group())
         sched.add_request(h.request(_prompt(100), run_id="r-x", request_id="a"))
         sched.add_request(h.request(_prompt(100, 700), run_id="r-x", request_id="b"))
-        _, meta = h.step(sched)
+        seen = _until_filled(sched, {"a", "b"})
     finally:
         control.server.shutdown()
         control.server.server_close()
-    # Both requests ran on the extra-config values, and the report says so.
-    assert meta.fill_values == {"a": (0.2, 0.0), "b": (0.2, 0.0)}
-    counters = sched.connector.connector_scheduler.reporter.snapshot("r-x")
-    assert counters["fallback_requests"] == 2
-    assert counters["requests_seen"] == 2
+    # Neither request was filled (no guess with the extra-config values): vLLM prefills them,
+    # and the run's counters say so with the reason, for the service to fail the run.
+    assert seen["filled"] == set() and seen["values"] == {}
+    connector = sched.connector.connector_scheduler
+    counters = connector.reporter.snapshot("r-x")
+    assert counters["unresolved_requests"] == 2 and counters["requests_seen"] == 2
+    assert "HTTP 500" in connector.reporter._notes["r-x"]

@@ -13,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,47 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class SlowPulls:
+    """A proxy in front of the service that holds every fill-parameter pull ``delay_s``
+    before forwarding it (the slow control plane is the point); reports pass straight."""
+
+    def __init__(self, upstream: str, delay_s: float) -> None:
+        self.pulls = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self, method: str) -> None:
+                if self.path.startswith("/api/connector/fill"):
+                    proxy.pulls += 1
+                    time.sleep(delay_s)
+                length = int(self.headers.get("Content-Length") or 0)
+                answer = httpx.request(
+                    method, upstream.rstrip("/") + self.path, content=self.rfile.read(length),
+                    headers={k: v for k, v in self.headers.items()
+                             if k.lower() in ("authorization", "content-type")}, timeout=30)
+                self.send_response(answer.status_code)
+                self.send_header("Content-Length", str(len(answer.content)))
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +224,17 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
         assert len(binding["reserved_cores"]) == 1
         assert binding["omp_cores"]["0"] and not set(binding["omp_cores"]["0"]) & set(
             binding["reserved_cores"])
-    assert first["warnings"] == [] or first["warnings"][0]["code"] == "bunched_streams"
+    assert {w["code"] for w in first["warnings"]} <= {"bunched_streams"}, first["warnings"]
+    # Every request was filled with this run's values, on both connector sides.
+    connector = first["connector"]
+    assert connector["filled_requests"] == 16 and connector["requests_filled"] == 16
+    assert connector["other_requests"] == 0
+    # The server's own view was scraped during the run and kept.
+    view = service.get(f"/api/runs/{first['id']}/server-metrics").json()
+    assert len(view["points"]) >= 3
+    running = [p["values"].get("vllm:num_requests_running", 0) for p in view["points"]]
+    assert max(running) == 4  # the batch the run asked for
+    assert view["summary"]["deltas"]["vllm:generation_tokens"] >= 16 * 32
 
     second = _run(service, input_len=4096, output_len=32, num_prompts=8, max_concurrency=4,
                   fill={"mean": 0.5, "std": 0.0})
@@ -216,8 +269,8 @@ def _connector_settled(client: httpx.Client, run_id: str, key: str, value: int) 
 def test_connector_reports_what_it_filled(service: httpx.Client) -> None:
     run = _run(service, input_len=3000, output_len=4, num_prompts=5, max_concurrency=5)
     report = _connector_settled(service, run["id"], "requests_filled", 5)
-    assert report["requests_seen"] == 5
-    assert report["prefill_requests"] == 0 and report["fallback_requests"] == 0
+    assert report["requests_seen"] == 5 and report["filled_requests"] == 5
+    assert report["prefill_requests"] == 0 and report["other_requests"] == 0
     assert report["blocks_filled"] >= 5
     # 2 layers x (K, V) x 2 KV heads x head dim 32 x 4 bytes = 1,024 bytes per token,
     # and every filled block holds block_size tokens.
@@ -252,14 +305,17 @@ def test_prefill_run_after_fill_run_matches_a_server_without_connector(
     assert _texts(service, prefill["id"]) == expected
     assert _texts(service, fill["id"]) != expected
     report = _connector_settled(service, prefill["id"], "prefill_requests", 3)
-    assert report["requests_filled"] == 0
+    assert report["requests_filled"] == 0 and report["filled_requests"] == 0
+    assert report["other_requests"] == 0
 
 
 def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
     service: httpx.Client, reference_servers: dict[str, str], tmp_path: Path
 ) -> None:
     """A vLLM server started by someone else, loaded with the connector config that
-    registration answers, serves a run and fills with that run's values."""
+    registration answers, serves a run and fills with that run's values, even when the
+    service answers its pull slowly (through a proxy that holds each pull 1.5 s): the
+    request waits in vLLM's queue for its run's values, it is never filled with others."""
     engine = {"max_model_len": 8192}
     port = _free_port()
     response = service.post("/api/workers", json={
@@ -269,8 +325,11 @@ def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
     assert "--max-model-len 8192" in registered["vllm_serve"]
     model_dir = ensure_tiny_model(tmp_path / "models")
     log_path = tmp_path / "registered.log"
+    slow = SlowPulls(str(service.base_url), delay_s=1.5)
+    kv_config = registered["kv_transfer_config"]
+    kv_config["kv_connector_extra_config"]["control_url"] = slow.url
     proc, url = _start_vllm(model_dir, log_path, "--max-model-len", "8192", "--kv-transfer-config",
-                            json.dumps(registered["kv_transfer_config"]), port=port)
+                            json.dumps(kv_config), port=port)
     try:
         _wait_healthy(proc, url, log_path)
         wait_worker = time.monotonic() + 30
@@ -286,7 +345,31 @@ def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
         # The same tokens as vLLM's own DecodeBenchConnector filling with 0.7.
         assert _texts(service, run["id"]) == _generate(reference_servers["upstream"], spec)
         report = _connector_settled(service, run["id"], "requests_filled", 3)
-        assert report["fallback_requests"] == 0
+        assert report["filled_requests"] == 3 and report["other_requests"] == 0
+        assert report["waited_requests"] >= 1  # the first request waited for the slow pull
+        assert slow.pulls == 1
     finally:
+        slow.close()
         _stop(proc)
         service.delete(f"/api/workers/{registered['id']}")
+
+
+def test_a_run_that_oversubscribes_the_kv_cache_carries_preempted(service: httpx.Client) -> None:
+    """A server with 24 blocks of 128 tokens (3,072 tokens): four requests of 1,000 + 1,000
+    tokens sent at once (each fits; together they do not) make vLLM preempt, and the run
+    says so. Last in the module: its own small-cache server replaces the shared one."""
+    engine = {"max_model_len": 2048, "extra_args": ["--num-gpu-blocks-override=24"]}
+    run = _run(service, input_len=1000, output_len=1000, num_prompts=4, max_concurrency=None,
+               request_rate=100.0, seed=5, engine=engine)
+    preempted = [w for w in run["warnings"] if w["code"] == "preempted"]
+    assert preempted, run["warnings"]
+    assert preempted[0]["figure"] >= 1
+    view = service.get(f"/api/runs/{run['id']}/server-metrics").json()
+    assert view["summary"]["deltas"]["vllm:num_preemptions"] >= 1
+    # The same arithmetic at a fixed concurrency is refused before anything is sent.
+    refused = service.post("/api/runs", json={"input_len": 1000, "output_len": 1000,
+                                              "num_prompts": 4, "max_concurrency": 4,
+                                              "engine": engine}).json()
+    done = wait_finished(service, refused["id"], timeout=120)
+    assert done["status"] == "failed"
+    assert "4 requests at once x 2,000 tokens" in done["error"] and "3,072" in done["error"]

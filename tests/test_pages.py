@@ -20,7 +20,7 @@ def test_run_page_draws_histograms_and_ttft_over_time(client: TestClient) -> Non
     wait_finished(client, run["id"])
     html = client.get(f"/runs/{run['id']}").text
     charts = _svgs(html)
-    assert len(charts) == 3
+    assert len(charts) == 4  # the three distributions, then the server view
     assert all("<rect" in c for c in charts[:2])  # histogram bars
     assert charts[2].count("<circle") == 6  # one dot per request
     assert "vLLM server" in html and "none (CPU)" in html
