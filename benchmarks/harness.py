@@ -4,6 +4,7 @@ with it. Not a benchmark of its own."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -80,17 +81,21 @@ def service_with_stubs(data_dir: Path, stubs: int = 1, interval: float = 0.001,
         with httpx.Client(base_url=base, headers=AUTH, timeout=60) as client:
             registered: list[dict[str, Any]] = []
             for _ in range(stubs):
+                # Registered first: the stub is started with the connector config the
+                # registration answers (its control URL and worker token), as a vLLM
+                # server would be.
                 stub_port = free_port()
-                stub = subprocess.Popen(
-                    [sys.executable, str(HERE / "token_stub.py"), "--port", str(stub_port),
-                     "--interval", str(interval), "--served-model-name", MODEL],
-                    start_new_session=True)
-                procs.append(stub)
                 url = f"http://127.0.0.1:{stub_port}"
-                wait_http(f"{url}/health", stub)
                 answer = client.post("/api/workers", json={"url": url, "model": MODEL})
                 answer.raise_for_status()
                 registered.append(answer.json())
+                stub = subprocess.Popen(
+                    [sys.executable, str(HERE / "token_stub.py"), "--port", str(stub_port),
+                     "--interval", str(interval), "--served-model-name", MODEL,
+                     "--kv-transfer-config", json.dumps(answer.json()["kv_transfer_config"])],
+                    start_new_session=True)
+                procs.append(stub)
+                wait_http(f"{url}/health", stub)
             deadline = time.monotonic() + 30
             while not all(client.get(f"/api/workers/{r['id']}").json()["status"] == "ready"
                           for r in registered):

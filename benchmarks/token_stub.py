@@ -3,6 +3,11 @@
 Raw asyncio (uvloop when installed), no framework, so that at hundreds of streams
 the server adds as little as possible of its own delay: each stream's tokens are
 due at absolute times start + k * interval, never drifting.
+
+Given the ``--kv-transfer-config`` a registration answers, it stands in for the
+connector too, as the service requires of every server: it pulls each tagged run's
+mode once and reports the run's counters (filled or prefilled requests) shortly
+after requests end, off the streams' path.
 """
 
 from __future__ import annotations
@@ -11,11 +16,60 @@ import argparse
 import asyncio
 import json
 import time
+import urllib.parse
+import urllib.request
+from typing import Any
 
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop ships with vLLM
     uvloop = None  # type: ignore[assignment]
+
+
+class Account:
+    """The connector's side of a run: its mode from the service, its counters back."""
+
+    def __init__(self, kv_transfer_config: str | None) -> None:
+        extra = json.loads(kv_transfer_config or "{}").get("kv_connector_extra_config", {})
+        self.url = extra.get("control_url")
+        self.headers = {"Authorization": f"Bearer {extra.get('worker_token', '')}",
+                        "Content-Type": "application/json"}
+        self.modes: dict[str, asyncio.Future[str]] = {}
+        self.counts: dict[str, dict[str, int]] = {}
+        self.sending: asyncio.Task[None] | None = None
+
+    def _call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(f"{self.url}{path}", data=data, headers=self.headers)
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return json.loads(resp.read() or b"null")
+
+    async def admitted(self, run_id: str) -> None:
+        if self.url is None:
+            return
+        mode = self.modes.get(run_id)
+        if mode is None:
+            mode = self.modes[run_id] = asyncio.get_running_loop().create_future()
+            query = urllib.parse.urlencode({"run_id": run_id})
+            answer = await asyncio.to_thread(self._call, f"/api/connector/fill?{query}")
+            mode.set_result(answer["mode"])
+        key = "filled_requests" if await mode == "fill" else "prefill_requests"
+        counts = self.counts.setdefault(run_id, {"requests_seen": 0, key: 0})
+        counts["requests_seen"] += 1
+        counts[key] += 1
+
+    def finished(self) -> None:
+        if self.url is not None and self.sending is None:
+            self.sending = asyncio.create_task(self._send_soon())
+
+    async def _send_soon(self) -> None:
+        await asyncio.sleep(0.2)
+        self.sending = None
+        runs = {run: dict(c) for run, c in self.counts.items()}
+        filled = {run: {"requests_filled": c.get("filled_requests", 0)} for run, c in runs.items()}
+        for role, counters in (("scheduler", runs), ("worker", filled)):
+            await asyncio.to_thread(self._call, "/api/connector/report",
+                                    {"role": role, "rank": 0, "runs": counters})
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
@@ -31,7 +85,8 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
 
 
 async def _handle(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float, served: bytes
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float, served: bytes,
+    account: Account,
 ) -> None:
     try:
         while True:
@@ -48,6 +103,8 @@ async def _handle(
             # Keep only what the answer needs: a long prompt is not held while streaming.
             prompt_tokens = len(body.get("prompt", []))
             max_tokens = int(body.get("max_tokens", 16))
+            params = body.get("kv_transfer_params") or {}
+            run_id = params.get("decodebench_run_id") if isinstance(params, dict) else None
             del body, raw
             if not head.startswith(b"POST"):
                 # /v1/models names the served model (a registered worker's probe checks it).
@@ -58,6 +115,8 @@ async def _handle(
                 await writer.drain()
                 continue
             n = max_tokens
+            if run_id:
+                await account.admitted(run_id)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             event = b'data: {"choices":[{"index":0,"text":" x","finish_reason":null}]}\n\n'
@@ -72,15 +131,19 @@ async def _handle(
             tail = f"data: {usage}\n\ndata: [DONE]\n\n".encode()
             writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
             await writer.drain()
+            if run_id:
+                account.finished()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
     finally:
         writer.close()
 
 
-async def _serve(port: int, interval: float, served: str) -> None:
-    server = await asyncio.start_server(lambda r, w: _handle(r, w, interval, served.encode()),
-                                        "127.0.0.1", port, backlog=4096)
+async def _serve(port: int, interval: float, served: str, kv_transfer_config: str | None) -> None:
+    account = Account(kv_transfer_config)
+    server = await asyncio.start_server(
+        lambda r, w: _handle(r, w, interval, served.encode(), account),
+        "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -91,10 +154,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--interval", type=float, default=0.02)
     parser.add_argument("--served-model-name", default="stub")
+    parser.add_argument("--kv-transfer-config", default=None)
     args = parser.parse_args()
     if uvloop is not None:
         uvloop.install()
-    asyncio.run(_serve(args.port, args.interval, args.served_model_name))
+    asyncio.run(_serve(args.port, args.interval, args.served_model_name, args.kv_transfer_config))
 
 
 if __name__ == "__main__":

@@ -160,12 +160,17 @@ def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
                 continue
             name = f"{label}={r.spec[label] if r.spec[label] is not None else 'inf'}"
             assert r.summary is not None
+            if r.summary.get(y) is None:
+                continue  # a key an older run's summary does not have
             series.setdefault(name, []).append((float(r.spec[x]), float(r.summary[y])))
         return series
 
     chart_list = [
         charts.lines(by("max_concurrency", "input_len", "median_tpot_ms", "fill"),
                      "Median TPOT against input length (fill runs)", "input_len (tokens)", "ms"),
+        charts.lines(by("max_concurrency", "input_len", "decode_median_tpot_ms", "fill"),
+                     "Decode-only median TPOT (steady window) against input length (fill runs)",
+                     "input_len (tokens)", "ms"),
         charts.lines(by("max_concurrency", "input_len", "p99_tpot_ms", "fill"),
                      "p99 TPOT against input length (fill runs)", "input_len (tokens)", "ms"),
         charts.lines(

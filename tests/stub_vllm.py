@@ -21,7 +21,8 @@ Like a server with decodebench's connector, it pulls each tagged run's fill valu
 from the service named in ``--kv-transfer-config`` and reports the run's
 counters back (a request of a ``fill`` run counts as filled, of a ``prefill`` run
 as prefilled); ``STUB_NO_CONNECTOR`` turns that off, as a server that cannot reach
-the service would be.
+the service would be. A stub registered after its start gets the config its
+registration answers through ``POST /stub/connector``.
 """
 
 from __future__ import annotations
@@ -48,23 +49,30 @@ class Connector:
     """What the stub's "connector" knows: the service to ask, each run's mode and counters."""
 
     def __init__(self, kv_transfer_config: str | None) -> None:
-        extra: dict[str, Any] = {}
-        if kv_transfer_config and not os.environ.get("STUB_NO_CONNECTOR"):
-            extra = json.loads(kv_transfer_config).get("kv_connector_extra_config", {})
-        self.url = extra.get("control_url")
-        self.headers = {"Authorization": f"Bearer {extra.get('worker_token', '')}"}
+        self.configure(json.loads(kv_transfer_config) if kv_transfer_config else {})
         self.modes: dict[str, str] = {}
         self.counters: dict[str, dict[str, int]] = {}
+        self.lock = asyncio.Lock()
+
+    def configure(self, kv_transfer_config: dict[str, Any]) -> None:
+        """Take a ``--kv-transfer-config`` (a registered server's, given after its start)."""
+        extra: dict[str, Any] = {}
+        if not os.environ.get("STUB_NO_CONNECTOR"):
+            extra = kv_transfer_config.get("kv_connector_extra_config", {})
+        self.url = extra.get("control_url")
+        self.headers = {"Authorization": f"Bearer {extra.get('worker_token', '')}"}
 
     async def admitted(self, run_id: str) -> None:
         """Count one request of ``run_id``, pulling the run's mode the first time."""
         if self.url is None:
             return
-        if run_id not in self.modes:
-            async with httpx.AsyncClient() as client:
-                answer = await client.get(f"{self.url}/api/connector/fill",
-                                          params={"run_id": run_id}, headers=self.headers)
-            self.modes[run_id] = answer.json()["mode"] if answer.status_code == 200 else "unresolved"
+        async with self.lock:  # one pull per run, however many requests arrive at once
+            if run_id not in self.modes:
+                async with httpx.AsyncClient() as client:
+                    answer = await client.get(f"{self.url}/api/connector/fill",
+                                              params={"run_id": run_id}, headers=self.headers)
+                self.modes[run_id] = (answer.json()["mode"] if answer.status_code == 200
+                                      else "unresolved")
         mode = self.modes[run_id]
         counts = self.counters.setdefault(run_id, {"requests_seen": 0})
         counts["requests_seen"] += 1
@@ -130,6 +138,13 @@ def build_app(served_name: str, interval: float, startup_delay: float,
             "# TYPE vllm:num_preemptions counter\n"
             f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
         )
+
+    @app.post("/stub/connector")
+    async def connect(request: Request) -> dict[str, Any]:
+        # A registered server learns its connector config after it started (a real one
+        # would be restarted with it): the test hands it over here.
+        connector.configure(await request.json())
+        return {"control_url": connector.url}
 
     @app.get("/stub/requests")
     async def seen() -> dict[str, Any]:

@@ -56,7 +56,7 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         service.stop()
 
 
-@pytest.mark.parametrize(("page", "charts"), [("index", 0), ("run", 4), ("sweep", 3), ("compare", 0)])
+@pytest.mark.parametrize(("page", "charts"), [("index", 0), ("run", 4), ("sweep", 4), ("compare", 0)])
 def test_page_renders_in_chromium_with_charts_and_no_console_output(
     pages: dict[str, str], tmp_path: Path, page: str, charts: int
 ) -> None:

@@ -4,6 +4,7 @@ in its own process standing in for a server on another host."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -32,6 +33,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The connector config each registered URL was given, for stubs started (or restarted) after
+# their registration, as a user restarts vLLM with the config the registration answers.
+KV_CONFIGS: dict[str, dict[str, Any]] = {}
+
+
 class RemoteStub:
     """A stub vLLM server the test starts and stops itself, as a user would on another host."""
 
@@ -40,6 +46,8 @@ class RemoteStub:
         self.url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, str(TESTS / "stub_vllm.py"), "--served-model-name", served,
                 "--host", "127.0.0.1", "--port", str(port)]
+        if self.url in KV_CONFIGS:
+            argv += ["--kv-transfer-config", json.dumps(KV_CONFIGS[self.url])]
         self.proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
@@ -83,6 +91,11 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
 def _register(client: TestClient, url: str, **extra: Any) -> dict[str, Any]:
     response = client.post("/api/workers", json={"url": url, "model": MODEL, **extra})
     assert response.status_code == 201, response.text
+    # The server loads the connector config the registration answers (a real vLLM server
+    # is started with it); a stub that is not up yet gets it when the test starts it.
+    KV_CONFIGS[url.rstrip("/")] = response.json()["kv_transfer_config"]
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"{url}/stub/connector", json=response.json()["kv_transfer_config"], timeout=5)
     return dict(response.json())
 
 
@@ -335,10 +348,12 @@ def test_registered_servers_survive_a_restart_of_the_service(
     tmp_path: Path, remotes: Callable[..., RemoteStub]
 ) -> None:
     remote = remotes()
-    with make_client(tmp_path, worker_probe_s=0.2) as client:
+    # The service comes back at the same address: the server's connector keeps reaching it.
+    control_url = f"http://127.0.0.1:{_free_port()}"
+    with make_client(tmp_path, worker_probe_s=0.2, control_url=control_url) as client:
         registered = _register(client, remote.url)
         _worker(client, registered["id"], "ready")
-    with make_client(tmp_path, worker_probe_s=0.2) as client:
+    with make_client(tmp_path, worker_probe_s=0.2, control_url=control_url) as client:
         _worker(client, registered["id"], "ready")
         run = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
         assert run["status"] == "succeeded" and run["worker_id"] == registered["id"]

@@ -41,10 +41,12 @@ def test_sweep_page_draws_curves_and_pairs_fill_with_prefill(client: TestClient)
         wait_finished(client, r["id"])
     html = client.get(f"/sweeps/{sweep['id']}").text
     charts = _svgs(html)
-    assert len(charts) == 3
-    # One line per concurrency on the TPOT charts, one per input length on throughput.
+    assert len(charts) == 4
+    # One line per concurrency on the TPOT charts (vLLM's median, the decode-only median,
+    # p99), one per input length on throughput.
     assert charts[0].count("<polyline") == 2 and "max_concurrency=1" in charts[0]
-    assert charts[2].count("<polyline") == 2 and "input_len=32" in charts[2]
+    assert "Decode-only median TPOT" in charts[1] and charts[1].count("<polyline") == 2
+    assert charts[3].count("<polyline") == 2 and "input_len=32" in charts[3]
     pairs = html.split('id="pairs"')[1].split("</table>")[0]
     assert pairs.count("side by side") == 4
     assert re.search(r"\d+\.\d\dx", pairs)

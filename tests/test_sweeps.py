@@ -65,7 +65,8 @@ def test_points_that_do_not_fit_the_kv_cache_are_marked_infeasible(
     small, big = (wait_finished(client, r["id"]) for r in sweep["runs"])
     assert small["status"] == "succeeded"
     assert big["status"] == "failed"
-    assert big["error"].startswith("infeasible: one request needs 4100 tokens")
+    assert big["error"].startswith("infeasible: 2 requests at once x 4,100 tokens each")
+    assert "= 8,200 tokens" in big["error"] and "holds 1,600" in big["error"]
     assert client.get(f"/api/runs/{big['id']}/requests").json() == []
     again = client.get(f"/api/sweeps/{sweep['id']}").json()
     assert again["progress"]["infeasible"] == 1
