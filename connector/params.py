@@ -28,10 +28,10 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 # One HTTP attempt may take this long.
-DEFAULT_ATTEMPT_TIMEOUT_S = 2.0
+DEFAULT_ATTEMPT_TIMEOUT_S = 5.0
 # After this long since a run's first request without its values, its requests are
 # not filled and the run is reported as unresolved (the service fails it).
-DEFAULT_DEADLINE_S = 10.0
+DEFAULT_DEADLINE_S = 30.0
 # Pauses between attempts grow from the first to the last.
 FIRST_RETRY_S = 0.1
 LAST_RETRY_S = 1.0

@@ -166,7 +166,7 @@ def export_run(
         "date": (run.started_at or run.created_at).strftime("%Y%m%d-%H%M%S"),
         "label": run.id,
         # vLLM's result file keeps free keys (--metadata); ours go in one block.
-        "metadata": {"decodebench": {
+        "metadata": {**_ramp_up_keys(spec.get("ramp_up")), "decodebench": {
             "mode": spec["mode"], "fill": spec["fill"], "warnings": run.warnings or [],
             "cpu_binding": run.cpu_binding,
             "server_metrics": server_metrics.summarize(_server_points(engine, run_id)),
@@ -178,6 +178,14 @@ def export_run(
         export_vllm(run.summary, samples, info),
         headers={"Content-Disposition": f'attachment; filename="{name}.json"'},
     )
+
+
+def _ramp_up_keys(ramp_up: dict[str, Any] | None) -> dict[str, Any]:
+    """The keys vLLM's result file has when its run ramped its request rate up."""
+    if not ramp_up:
+        return {}
+    return {"ramp_up_strategy": ramp_up["strategy"], "ramp_up_start_rps": ramp_up["start_rps"],
+            "ramp_up_end_rps": ramp_up["end_rps"]}
 
 
 @router.post("/api/sweeps", status_code=201, response_model=SweepPublic, dependencies=ADMIN)

@@ -10,9 +10,11 @@ Warnings are ``{"code", "message", "figure"}``:
 
 - ``preempted``: vLLM preempted requests during the run (a preempted request is
   recomputed with a real prefill, inside the decode the run measures);
-- ``queued_in_server``: while the client held the asked concurrency in flight the
-  server ran fewer (median), or requests waited in the server's queue in at least
-  half of those scrapes: the decode batch was not the one asked for;
+- ``queued_in_server``: while every request the run asked for at once was decoding
+  (past its first token, not finished, as the client saw it) the server ran fewer
+  (median), or requests waited in the server's queue in at least half of the scrapes
+  while any was decoding: the decode batch was not the one asked for. At least
+  ``MIN_SCRAPES`` scrapes must fall in the window, or there is no verdict;
 - ``kv_near_full``: KV cache usage above 95% in a scrape;
 - ``foreign_prefix_hits``: prefix-cache hits no prompt of the run explains (no two
   prompts of a run share a prefix and the run's ``cache_salt`` keeps other runs'
@@ -40,6 +42,7 @@ KV_NEAR_FULL = 0.95
 LAG_S = 1e-3
 DRIVER_BUSY = 0.95
 WAITING_SHARE = 0.5
+MIN_SCRAPES = 3
 
 PREEMPTIONS = ("vllm:num_preemptions", "vllm:num_preemptions_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
@@ -130,11 +133,13 @@ def connector_verdict(totals: Mapping[str, Any] | None, mode: str,
     return None, warnings
 
 
-def in_flight(samples: Sequence[Sample], at: np.ndarray) -> np.ndarray:
-    """Requests the client had in flight at each time of ``at`` (its own clock)."""
+def in_flight(samples: Sequence[Sample], at: np.ndarray, decoding: bool = False) -> np.ndarray:
+    """Requests the client had in flight at each time of ``at`` (its own clock); with
+    ``decoding``, only those past their first token."""
     if not samples:
         return np.zeros(len(at), dtype=int)
-    starts = np.sort(np.array([s.start_time for s in samples]))
+    offset = [s.ttft if decoding else 0.0 for s in samples]
+    starts = np.sort(np.array([s.start_time + o for s, o in zip(samples, offset, strict=True)]))
     ends = np.sort(np.array([s.start_time + max(s.latency, 0.0) for s in samples]))
     return np.searchsorted(starts, at, side="right") - np.searchsorted(ends, at, side="right")
 
@@ -177,26 +182,30 @@ def _queued(points: Sequence[Point], samples: Sequence[Sample],
     if not scraped or not samples:
         return None
     times = np.array([t for t, _, _ in scraped])
-    held = in_flight(samples, times)
-    full = held >= concurrency if concurrency is not None else held >= 1
-    if not full.any():
-        return None
-    running = np.array([r for _, r, _ in scraped])[full]
-    waiting = np.array([w for _, _, w in scraped])[full]
-    waited_share = float(np.mean(waiting > 0))
-    median_running = float(np.median(running))
-    if concurrency is not None and median_running < concurrency:
-        return _warn(
-            "queued_in_server",
-            f"while the client held {concurrency} requests in flight the server ran a median "
-            f"of {median_running:g} (waiting in its queue in {waited_share:.0%} of "
-            f"{len(running)} scrapes): the decode batch was smaller than asked", median_running)
-    if waited_share >= WAITING_SHARE:
-        return _warn(
-            "queued_in_server",
-            f"requests waited in the server's queue in {waited_share:.0%} of {len(running)} "
-            "scrapes while the run had requests in flight: the server, not the run, set the "
-            "batch", round(waited_share, 4))
+    running_all = np.array([r for _, r, _ in scraped])
+    waiting_all = np.array([w for _, _, w in scraped])
+    decoding = in_flight(samples, times, decoding=True)
+    if concurrency is not None:
+        full = decoding >= concurrency
+        if int(full.sum()) >= MIN_SCRAPES:
+            median_running = float(np.median(running_all[full]))
+            if median_running < concurrency:
+                share = float(np.mean(waiting_all[full] > 0))
+                return _warn(
+                    "queued_in_server",
+                    f"while the client had all {concurrency} requests decoding the server ran a "
+                    f"median of {median_running:g} (requests waiting in its queue in {share:.0%} "
+                    f"of {int(full.sum())} scrapes): the decode batch was smaller than asked",
+                    median_running)
+    busy = decoding >= 1
+    if int(busy.sum()) >= MIN_SCRAPES:
+        share = float(np.mean(waiting_all[busy] > 0))
+        if share >= WAITING_SHARE:
+            return _warn(
+                "queued_in_server",
+                f"requests waited in the server's queue in {share:.0%} of {int(busy.sum())} "
+                "scrapes while the run had requests decoding: the server, not the run, set the "
+                "batch", round(share, 4))
     return None
 
 

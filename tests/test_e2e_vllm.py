@@ -314,7 +314,7 @@ def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
 ) -> None:
     """A vLLM server started by someone else, loaded with the connector config that
     registration answers, serves a run and fills with that run's values, even when the
-    service answers its pull slowly (through a proxy that holds each pull 1.5 s): the
+    service answers its pull slowly (through a proxy that holds each pull 1 s): the
     request waits in vLLM's queue for its run's values, it is never filled with others."""
     engine = {"max_model_len": 8192}
     port = _free_port()
@@ -325,7 +325,7 @@ def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
     assert "--max-model-len 8192" in registered["vllm_serve"]
     model_dir = ensure_tiny_model(tmp_path / "models")
     log_path = tmp_path / "registered.log"
-    slow = SlowPulls(str(service.base_url), delay_s=1.5)
+    slow = SlowPulls(str(service.base_url), delay_s=1.0)
     kv_config = registered["kv_transfer_config"]
     kv_config["kv_connector_extra_config"]["control_url"] = slow.url
     proc, url = _start_vllm(model_dir, log_path, "--max-model-len", "8192", "--kv-transfer-config",

@@ -210,6 +210,10 @@ def test_a_ramp_up_run_is_sent_on_its_ramp(client: TestClient) -> None:
     offsets = make_plan(RunSpec.model_validate(spec), None).offsets
     # The driver processes got the ramp: every request was due on the ramp's schedule.
     np.testing.assert_allclose(dues - dues[0], offsets - offsets[0], atol=1e-6)
+    # The vLLM-format export carries the ramp under vLLM's own keys.
+    exported = client.get(f"/api/runs/{run['id']}/export?format=vllm").json()
+    assert (exported["ramp_up_strategy"], exported["ramp_up_start_rps"],
+            exported["ramp_up_end_rps"]) == ("exponential", 20.0, 200.0)
 
 
 def test_client_side_queueing_is_recorded(client: TestClient) -> None:

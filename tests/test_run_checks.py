@@ -101,7 +101,7 @@ def _points(running: list[float], waiting: list[float], **counters: list[float])
 
 
 def test_server_view_warns_when_the_batch_was_smaller_than_asked() -> None:
-    # The client holds 4 in flight from 0 to 5 s; the server ran only 2, 2 waiting.
+    # The client has 4 decoding from 0 to 5 s; the server ran only 2, 2 waiting.
     samples = [_sample(k, 0.0, 5.0) for k in range(4)]
     warnings = server_warnings(_points([2] * 10, [2] * 10), samples, 4)
     assert _codes(warnings) == ["queued_in_server"]
@@ -193,8 +193,9 @@ def test_a_queue_in_the_server_is_a_warning(tmp_path: Path, stub_env: pytest.Mon
         assert done["status"] == "succeeded", done["error"]
         queued = [w for w in done["warnings"] if w["code"] == "queued_in_server"]
         assert queued, done["warnings"]
-        assert "held 4 requests in flight" in queued[0]["message"]
-        assert queued[0]["figure"] == 2
+        # The stub runs 2 and keeps the other 2 in its queue, without a first token.
+        assert "waited in the server's queue" in queued[0]["message"]
+        assert queued[0]["figure"] >= 0.5
         page = client.get(f"/runs/{run['id']}").text
         assert "queued_in_server" in page
 
