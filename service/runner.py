@@ -47,8 +47,11 @@ PERSIST_EVERY_S = 0.5
 WATCH_EVERY_S = 0.5
 # Tries (with a growing pause) for the write that ends a run.
 END_TRIES = 5
-# The worker's /metrics is scraped this often during a run, and at its start and end.
-SCRAPE_EVERY_S = 0.5
+# The worker's /metrics is scraped this often during a run, and at its start and end. Not
+# more often: vLLM's API server renders it in the process that streams the tokens, and on
+# 2 cores a scrape every 0.5 s made most streams reach the client bunched
+# (benchmarks/scrape.py, figures in benchmarks/README.md).
+SCRAPE_EVERY_S = 1.0
 # After the last response, the connector's counters for the run are awaited this long.
 REPORT_WAIT_S = 3.0
 
