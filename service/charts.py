@@ -7,7 +7,7 @@ label is escaped.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from html import escape
 
 import numpy as np
@@ -141,9 +141,11 @@ def _thin(points: Sequence[tuple[float, float]], limit: int = MAX_DRAWN) -> list
 
 
 def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]]]], title: str,
-             xlabel: str) -> Markup:
+             xlabel: str, sampled: Collection[str] = ()) -> Markup:
     """Series over one shared x axis, in stacked panels (one per ``(ylabel, series)``), drawn
-    as lines in the order given (points in order of x), with a legend per panel."""
+    as lines in the order given (points in order of x), with a legend per panel. Series
+    named in ``sampled`` are readings at discrete times (scrapes): each reading is also a
+    dot, so a line between two readings is not taken for a measurement."""
     panels = [(label, {k: v for k, v in series.items() if v}) for label, series in panels]
     panels = [(label, series) for label, series in panels if series]
     xs = [x for _, series in panels for pts in series.values() for x, _ in pts]
@@ -189,8 +191,12 @@ def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]
             stroke = PALETTE[color % len(PALETTE)]
             color += 1
             path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in _thin(points))
+            dashes = ' stroke-dasharray="3 2"' if name in sampled else ""
             parts.append(f'<polyline points="{path}" fill="none" stroke="{stroke}" '
-                         'stroke-width="1.5"/>')
+                         f'stroke-width="1.5"{dashes}/>')
+            if name in sampled:
+                parts.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{stroke}"/>'
+                             for x, y in _thin(points))
             parts.append(f'<text x="{W - RIGHT - 4}" y="{top + 12 + 13 * j}" text-anchor="end" '
                          f'font-size="10" fill="{stroke}">{escape(name)}</text>')
     for t in _ticks(x0, x1):

@@ -136,6 +136,7 @@ def server_view(points: Sequence[Mapping[str, Any]], samples: Sequence[SampleDat
             ("KV cache used (%)", {"KV cache used (server)": gauge(server_metrics.KV_USAGE, 100.0)}),
         ],
         "Server view", "seconds since the run's first request",
+        sampled={"running (server)", "waiting (server)", "KV cache used (server)"},
     )
 
 

@@ -418,6 +418,8 @@ def test_run_page_draws_the_server_view_next_to_the_clients(client: TestClient) 
     first_scrape, first_request, last_end = running[0][0], client_view[0][0], client_view[-1][0]
     assert (first_request - first_scrape) / (last_end - first_scrape) == pytest.approx(0.5 / 3.9, abs=0.01)
     assert min(y for _, y in client_view) < client_view[0][1]  # in flight rose above zero (up is less y)
+    # Each scrape is a dot on its series (readings at times, not a measured line between).
+    assert svg.count("<circle") == len(running) + len(lines[1]) + len(lines[3])
     assert "no server metrics were scraped" not in html
 
 
