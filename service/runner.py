@@ -166,12 +166,6 @@ class Runner:
             raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
         samples = self.samples
         summary = summarize(samples, duration, self.spec.goodput.model_dump(exclude_none=True))
-        answered = sum(s.success for s in samples) + self.spec.warmup_prompts
-        totals = await self._connector_totals(answered)
-        failure, warnings = connector_verdict(totals, self.spec.mode, answered)
-        if failure is not None:
-            await self._end(RunStatus.failed, failure, summary=summary)
-            return
         ok = [s for s in samples if s.success]
         if len(ok) < len(samples) and not await self._healthy(handle):
             # A server that stopped answering is not reused: the next run gets a new one.
@@ -185,6 +179,14 @@ class Runner:
             first_error = next((s.error for s in samples if s.error), "no request succeeded")
             await self._end(RunStatus.failed, f"every request failed; first error: {first_error}\n"
                       f"last log lines of the vLLM server:\n{handle.tail()}", summary=summary)
+            return
+        # Only a run whose requests came back is judged on the connector's account (a dead
+        # or failing server has its own, clearer reason above).
+        answered = len(ok) + self.spec.warmup_prompts
+        totals = await self._connector_totals(answered)
+        failure, warnings = connector_verdict(totals, self.spec.mode, answered)
+        if failure is not None:
+            await self._end(RunStatus.failed, failure, summary=summary)
             return
         open_loop = self.spec.request_rate is not None
         warnings = [
