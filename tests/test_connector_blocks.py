@@ -13,6 +13,9 @@ from vllm.v1.request import RequestStatus
 from tests import vllm_harness as h
 from tests.test_connector_params import Control
 
+# The fake control service as a fixture (registered under its own name, ``control``).
+from tests.test_connector_params import control as control_fixture  # noqa: F401
+
 BS = 16
 
 
@@ -153,18 +156,13 @@ def _until_filled(sched: Any, want: set[str], max_steps: int = 2000) -> dict[str
     return {"filled": filled, "values": values, "runs": runs, "scheduled_at": scheduled_at}
 
 
-def test_requests_of_two_runs_carry_their_own_values(tmp_path: Path) -> None:
-    control = Control()
-    try:
-        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
-        sched = h.scheduler(config, _one_group())
-        sched.add_request(h.request(_prompt(300), run_id="r-a", request_id="a"))
-        sched.add_request(h.request(_prompt(300, 500), run_id="p-b", request_id="b"))
-        sched.add_request(h.request(_prompt(300, 900), request_id="c"))
-        seen = _until_filled(sched, {"a", "b", "c"})
-    finally:
-        control.server.shutdown()
-        control.server.server_close()
+def test_requests_of_two_runs_carry_their_own_values(tmp_path: Path, control: Control) -> None:
+    config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
+    sched = h.scheduler(config, _one_group())
+    sched.add_request(h.request(_prompt(300), run_id="r-a", request_id="a"))
+    sched.add_request(h.request(_prompt(300, 500), run_id="p-b", request_id="b"))
+    sched.add_request(h.request(_prompt(300, 900), request_id="c"))
+    seen = _until_filled(sched, {"a", "b", "c"})
     # "r-a" is a fill run (service values), "p-b" a prefill run (no fill), "c" untagged (defaults).
     assert seen["filled"] == {"a", "c"}
     assert seen["values"] == {"a": (0.25, 0.5), "c": (0.015, 0.0)}
@@ -175,48 +173,38 @@ def test_requests_of_two_runs_carry_their_own_values(tmp_path: Path) -> None:
     assert counters("p-b") == {"requests_seen": 1, "waited_requests": 1, "prefill_requests": 1}
 
 
-def test_a_slow_pull_holds_only_its_own_run_in_the_queue(tmp_path: Path) -> None:
-    control = Control()
+def test_a_slow_pull_holds_only_its_own_run_in_the_queue(tmp_path: Path, control: Control) -> None:
     control.delay = 0.3
-    try:
-        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
-        sched = h.scheduler(config, _one_group())
-        sched.add_request(h.request(_prompt(300), run_id="r-slow", request_id="slow"))
-        sched.add_request(h.request(_prompt(300, 900), request_id="untagged"))
-        import time
+    config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
+    sched = h.scheduler(config, _one_group())
+    sched.add_request(h.request(_prompt(300), run_id="r-slow", request_id="slow"))
+    sched.add_request(h.request(_prompt(300, 900), request_id="untagged"))
+    import time
 
-        started = time.perf_counter()
-        out, meta = h.step(sched)
-        first_step = time.perf_counter() - started
-        # The engine thread did not wait for the pull, the untagged request went ahead, and
-        # the run's request waits in vLLM's queue instead of being guessed.
-        assert first_step < 0.1, first_step
-        assert set(out.num_scheduled_tokens) == {"untagged"}
-        assert "slow" not in meta.reqs_to_fill
-        assert [r.request_id for r in sched.waiting] == ["slow"]
-        seen = _until_filled(sched, {"slow"})
-    finally:
-        control.server.shutdown()
-        control.server.server_close()
+    started = time.perf_counter()
+    out, meta = h.step(sched)
+    first_step = time.perf_counter() - started
+    # The engine thread did not wait for the pull, the untagged request went ahead, and
+    # the run's request waits in vLLM's queue instead of being guessed.
+    assert first_step < 0.1, first_step
+    assert set(out.num_scheduled_tokens) == {"untagged"}
+    assert "slow" not in meta.reqs_to_fill
+    assert [r.request_id for r in sched.waiting] == ["slow"]
+    seen = _until_filled(sched, {"slow"})
     assert seen["values"]["slow"] == (0.25, 0.5)
     assert seen["scheduled_at"]["slow"] > 10  # it was asked again, step after step
 
 
-def test_a_prefill_run_after_a_fill_run_fills_nothing(tmp_path: Path) -> None:
-    control = Control()
-    try:
-        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
-        sched = h.scheduler(config, _one_group())
-        sched.add_request(h.request(_prompt(300), run_id="r-1", request_id="f1"))
-        fill = _until_filled(sched, {"f1"})
-        h.run_until_idle(sched)
-        sched.add_request(h.request(_prompt(300, 2000), run_id="p-2", request_id="p1"))
-        sched.add_request(h.request(_prompt(300, 4000), run_id="p-2", request_id="p2"))
-        prefill = _until_filled(sched, {"p1", "p2"})
-        h.run_until_idle(sched)
-    finally:
-        control.server.shutdown()
-        control.server.server_close()
+def test_a_prefill_run_after_a_fill_run_fills_nothing(tmp_path: Path, control: Control) -> None:
+    config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
+    sched = h.scheduler(config, _one_group())
+    sched.add_request(h.request(_prompt(300), run_id="r-1", request_id="f1"))
+    fill = _until_filled(sched, {"f1"})
+    h.run_until_idle(sched)
+    sched.add_request(h.request(_prompt(300, 2000), run_id="p-2", request_id="p1"))
+    sched.add_request(h.request(_prompt(300, 4000), run_id="p-2", request_id="p2"))
+    prefill = _until_filled(sched, {"p1", "p2"})
+    h.run_until_idle(sched)
     assert fill["filled"] == {"f1"}
     assert prefill["filled"] == set() and prefill["values"] == {}
     counters = sched.connector.connector_scheduler.reporter.snapshot("p-2")
@@ -262,19 +250,16 @@ def test_preempted_request_is_recomputed_not_filled_again(tmp_path: Path) -> Non
     assert sched.connector.connector_scheduler.tracked_requests() == 0
 
 
-def test_failed_pull_is_never_filled_with_other_values_and_is_reported(tmp_path: Path) -> None:
-    control = Control()
+def test_failed_pull_is_never_filled_with_other_values_and_is_reported(
+    tmp_path: Path, control: Control
+) -> None:
     control.behaviour = "error"
-    try:
-        config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t",
-                                                  "pull_deadline_s": 0.3, "fill_mean": 0.2})
-        sched = h.scheduler(config, _one_group())
-        sched.add_request(h.request(_prompt(100), run_id="r-x", request_id="a"))
-        sched.add_request(h.request(_prompt(100, 700), run_id="r-x", request_id="b"))
-        seen = _until_filled(sched, {"a", "b"})
-    finally:
-        control.server.shutdown()
-        control.server.server_close()
+    config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t",
+                                              "pull_deadline_s": 0.3, "fill_mean": 0.2})
+    sched = h.scheduler(config, _one_group())
+    sched.add_request(h.request(_prompt(100), run_id="r-x", request_id="a"))
+    sched.add_request(h.request(_prompt(100, 700), run_id="r-x", request_id="b"))
+    seen = _until_filled(sched, {"a", "b"})
     # Neither request was filled (no guess with the extra-config values): vLLM prefills them,
     # and the run's counters say so with the reason, for the service to fail the run.
     assert seen["filled"] == set() and seen["values"] == {}
