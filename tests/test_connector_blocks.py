@@ -4,6 +4,7 @@ DecodeBenchConnector on the same requests."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,6 @@ from vllm.v1.request import RequestStatus
 
 from tests import vllm_harness as h
 from tests.test_connector_params import Control
-
-# The fake control service as a fixture (registered under its own name, ``control``).
-from tests.test_connector_params import control as control_fixture  # noqa: F401
 
 BS = 16
 
@@ -28,6 +26,15 @@ def _both(tmp_path: Path, kv: Any, script: Any, **config: Any) -> tuple[Any, Any
     ours = script(h.scheduler(h.vllm_config(tmp_path, h.OURS, **config), kv()))
     upstream = script(h.scheduler(h.vllm_config(tmp_path, h.UPSTREAM, **config), kv()))
     return ours, upstream
+
+
+@pytest.fixture
+def control() -> Iterator[Control]:
+    """The fake control service the connector pulls from, up for one test."""
+    served = Control()
+    yield served
+    served.server.shutdown()
+    served.server.server_close()
 
 
 def _one_group() -> Any:
