@@ -36,6 +36,7 @@ from service.models import (
     WorkerRegister,
     WorkerRegistered,
     connector_totals,
+    effective_load_format,
 )
 from service.vllm_cli import serve_command
 
@@ -159,7 +160,8 @@ def export_run(
     spec = run.spec
     info = {
         "model": spec["model"],
-        "num_prompts": spec["num_prompts"],
+        # A run with a stop rule sent what its rule let it send.
+        "num_prompts": (run.stopped_by or {}).get("requests", spec["num_prompts"]),
         "request_rate": spec["request_rate"],
         "burstiness": spec["burstiness"],
         "max_concurrency": spec["max_concurrency"],
@@ -168,7 +170,9 @@ def export_run(
         # vLLM's result file keeps free keys (--metadata); ours go in one block.
         "metadata": {**_ramp_up_keys(spec.get("ramp_up")), "decodebench": {
             "mode": spec["mode"], "fill": spec["fill"], "warnings": run.warnings or [],
-            "cpu_binding": run.cpu_binding,
+            "load_format": effective_load_format(
+                spec["model"], spec["engine"].get("load_format", "auto")),
+            "cpu_binding": run.cpu_binding, "stopped_by": run.stopped_by,
             "server_metrics": server_metrics.summarize(_server_points(engine, run_id)),
             "connector": {**connector_totals((run.connector or {}).get("ranks", {})),
                           "pulls": run.connector_pulls},

@@ -22,7 +22,9 @@ Warnings are ``{"code", "message", "figure"}``:
 - ``fill_mismatch``: the two connector sides disagree on how many requests were
   filled, or the connector accounted for fewer requests than the run sent;
 - ``client_lag``: open loop requests left more than 1 ms after they were due (median),
-  or a load driver was busy at least 95% of a core (median beat).
+  or a load driver was busy at least 95% of a core (median beat);
+- ``dummy_moe_routing``: a mixture-of-experts model ran on dummy weights, so its router
+  spread the tokens over the experts unlike the real model.
 """
 
 from __future__ import annotations
@@ -230,3 +232,43 @@ def client_warnings(samples: Sequence[Sample], beats: Sequence[Mapping[str, floa
             f"a load driver was busy {busiest:.0%} of a core (median over the run): a saturated "
             "client times tokens late", round(busiest, 4)))
     return warnings
+
+
+# Where vLLM reads a model's expert count, first present name first
+# (``ModelArchConfigConvertor.get_num_experts``); a model with experts is MoE to vLLM.
+EXPERT_COUNTS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
+# Multimodal configs keep the language model's config under one of these.
+TEXT_CONFIGS = ("text_config", "decoder", "generator")
+
+
+def num_experts(config: Mapping[str, Any]) -> int:
+    """Routed experts per MoE layer a model's config.json declares (0: a dense model)."""
+    text = next((config[k] for k in TEXT_CONFIGS if isinstance(config.get(k), Mapping)), config)
+    count = next((text[name] for name in EXPERT_COUNTS if name in text), 0)
+    if isinstance(count, list):  # some configs give one count per layer
+        count = max((c for c in count if isinstance(c, int)), default=0)
+    if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+        return count
+    # Heterogeneous models (NemotronH) declare experts per block.
+    blocks = text.get("block_configs")
+    if not isinstance(blocks, list):
+        return 0
+    per_block = [b.get("n_routed_experts") for b in blocks
+                 if isinstance(b, Mapping) and b.get("block_type") == "moe"]
+    return max((n for n in per_block if isinstance(n, int) and n > 0), default=0)
+
+
+def dummy_moe(load_format: str, config: Mapping[str, Any] | None) -> list[Warning_]:
+    """``dummy_moe_routing`` for a mixture-of-experts model run on dummy weights: its router
+    is random too, so tokens spread over the experts unlike the real model's."""
+    if load_format != "dummy" or config is None:
+        return []
+    experts = num_experts(config)
+    if experts <= 0:
+        return []
+    return [_warn(
+        "dummy_moe_routing",
+        f"this mixture-of-experts model ({experts} experts per layer) ran on dummy weights: "
+        "its router's weights are random too, so which experts the tokens go to is not the "
+        "real model's routing, and the load per expert (and with it the decode speed) may "
+        "differ from the real model's", experts)]

@@ -7,11 +7,15 @@ one JSON object per line:
 
 service -> driver (stdin)
     ``DriverConfig``, then ``{"start": t0}`` once every shard is ready: the measured
-    schedule begins at ``t0``. Closing stdin (the service is gone) ends the driver.
+    schedule begins at ``t0``; later ``{"stop": rule}`` when a stop rule is met: no more
+    requests are sent, those sent finish. Closing stdin (the service is gone) ends the
+    driver.
 driver -> service (stdout)
     ``{"kind": "ready"}`` after its warmup requests, ``{"kind": "sample", "sample": {...}}``
     as each measured request ends, ``{"kind": "beat"}`` every ``BEAT_S`` (a driver
-    whose loop is stuck stops beating), ``{"kind": "done", "duration": s}`` at the end.
+    whose loop is stuck stops beating), ``{"kind": "stopped", "rule": "duration"}`` when
+    its time box (``duration_s`` after ``t0``) ended the sending, ``{"kind": "done",
+    "duration": s, "sent": n}`` at the end.
     A traceback goes to stderr, which the service keeps in a log file.
 
 Clock: every shard and the service use ``time.perf_counter``, which on Linux is
@@ -66,6 +70,8 @@ class DriverConfig(BaseModel):
     request_timeout_s: float
     shard: int = 0
     shards: int = 1
+    # A time box: no request is sent later than this after the schedule's start.
+    duration_s: float | None = None
 
 
 class DriverError(Exception):
@@ -94,7 +100,7 @@ def shard_concurrency(limit: int | None, shard: int, shards: int) -> int | None:
 
 
 async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
-                 start_line: asyncio.Future[float]) -> None:
+                 start_line: asyncio.Future[float], stop_line: asyncio.Event | None = None) -> None:
     spec = config.spec
     plan = make_plan(spec, config.vocab_size)
     generator = LoadGenerator(
@@ -123,11 +129,34 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
         await generator.warmup(plan, [p for p in mine if p < plan.warmups])
         emit({"kind": "ready"})
         t0 = await start_line
-        duration = await generator.measure(
-            plan, lambda s: emit({"kind": "sample", "sample": asdict(s)}),
-            [p for p in mine if p >= plan.warmups], start=t0,
-        )
-        emit({"kind": "done", "duration": duration})
+
+        async def stop_when_told() -> None:
+            waits: list[asyncio.Task[Any]] = []
+            if stop_line is not None:
+                waits.append(asyncio.create_task(stop_line.wait()))
+            if config.duration_s is not None:
+                waits.append(asyncio.create_task(
+                    asyncio.sleep(t0 + config.duration_s - time.perf_counter())))
+            if not waits:
+                return
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in waits:
+                    task.cancel()
+            if not (stop_line is not None and stop_line.is_set()):
+                emit({"kind": "stopped", "rule": "duration"})
+            generator.stop_sending()
+
+        stopper = asyncio.create_task(stop_when_told())
+        try:
+            duration = await generator.measure(
+                plan, lambda s: emit({"kind": "sample", "sample": asdict(s)}),
+                [p for p in mine if p >= plan.warmups], start=t0,
+            )
+        finally:
+            stopper.cancel()
+        emit({"kind": "done", "duration": duration, "sent": generator.sent})
     finally:
         beating.cancel()
         await generator.aclose()
@@ -151,6 +180,7 @@ def main() -> None:
     async def run() -> None:
         loop = asyncio.get_running_loop()
         start_line: asyncio.Future[float] = loop.create_future()
+        stop_line = asyncio.Event()
 
         def read_stdin() -> None:
             line = sys.stdin.readline()
@@ -162,13 +192,15 @@ def main() -> None:
                         start_line.set_result(t0)
 
                 loop.call_soon_threadsafe(start)
-                line = sys.stdin.readline()  # nothing more is sent: this waits for EOF
+                while line := sys.stdin.readline():
+                    if "stop" in json.loads(line):
+                        loop.call_soon_threadsafe(stop_line.set)
             # The service closed our stdin or died: nobody reads what we measure.
             os._exit(3)
 
         threading.Thread(target=read_stdin, daemon=True).start()
         loop.add_signal_handler(signal.SIGTERM, lambda: os._exit(0))
-        await _drive(config, emit, start_line)
+        await _drive(config, emit, start_line, stop_line)
 
     asyncio.run(run())
     out.flush()
@@ -286,19 +318,39 @@ class Drivers:
         self.procs: list[asyncio.subprocess.Process] = []
         # Every beat of every shard: ``{"t", "cpu", "lag_ms", "shard"}``.
         self.beats: list[dict[str, float]] = []
+        # Which stop rule ended the sending, as the shards reported it ("duration"), or as
+        # the service told them (``stop_sending``); None: every request was sent.
+        self.stopped_rule: str | None = None
+        # Measured requests the shards sent (known once they are done).
+        self.sent = 0
 
     @classmethod
     def for_run(cls, run_id: str, spec: RunSpec, base_url: str, served_model: str,
                 vocab_size: int | None, request_timeout_s: float, pool: DriverPool,
                 hang_s: float) -> Drivers:
         """The shards of one run (``shard_count`` of them)."""
-        n = shard_count(spec)
+        # With a stop rule the plan holds the most requests the run may send; a shard
+        # stops early when told to, or at its time box.
+        shape = LoadShape.of(spec).model_copy(update={"num_prompts": spec.prompt_budget()})
+        duration_s = spec.stop.duration_s if spec.stop is not None else None
+        n = shard_count(shape)
         return cls([
-            DriverConfig(run_id=run_id, spec=LoadShape.of(spec), base_url=base_url,
+            DriverConfig(run_id=run_id, spec=shape, base_url=base_url,
                          served_model=served_model, vocab_size=vocab_size,
-                         request_timeout_s=request_timeout_s, shard=k, shards=n)
+                         request_timeout_s=request_timeout_s, shard=k, shards=n,
+                         duration_s=duration_s)
             for k in range(n)
         ], pool, hang_s)
+
+    async def stop_sending(self, rule: str) -> None:
+        """Tell every shard to send no more requests (those sent finish and count)."""
+        if self.stopped_rule is None:
+            self.stopped_rule = rule
+        for proc in self.procs:
+            if proc.stdin is not None and not proc.stdin.is_closing():
+                with contextlib.suppress(OSError, ConnectionError):
+                    proc.stdin.write(json.dumps({"stop": rule}).encode() + b"\n")
+                    await proc.stdin.drain()
 
     def stderr_tail(self) -> str:
         """The last lines each shard wrote to stderr."""
@@ -324,6 +376,11 @@ class Drivers:
                     all_ready.set()
             elif kind == "done":
                 durations.append(float(message["duration"]))
+                self.sent += int(message.get("sent", 0))
+            elif kind == "stopped":
+                # Every shard has the same time box from the same t0: each stops itself.
+                if self.stopped_rule is None:
+                    self.stopped_rule = str(message["rule"])
             elif kind == "beat" and "cpu" in message:
                 self.beats.append({"t": float(message["t"]), "cpu": float(message["cpu"]),
                                    "lag_ms": float(message["lag_ms"]), "shard": shard})

@@ -23,6 +23,7 @@ gap, and, at a fixed rate, the schedule stretched so the last request is due at 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -209,6 +210,21 @@ class LoadGenerator:
         self.max_concurrency = max_concurrency
         self.request_timeout_s = request_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        # Set by ``stop_sending`` (a stop rule was met): no request is sent after it;
+        # requests already sent are awaited and measured.
+        self._stop: asyncio.Event | None = None
+        self.sent = 0
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        """Set once no more requests may be sent (made inside the event loop)."""
+        if self._stop is None:
+            self._stop = asyncio.Event()
+        return self._stop
+
+    def stop_sending(self) -> None:
+        """Send no more measured requests; the ones already sent finish and count."""
+        self.stopping.set()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -338,17 +354,33 @@ class LoadGenerator:
         elif (delay := start - time.perf_counter()) > 0:
             await asyncio.sleep(delay)
         measured = on_done is not None
+        stopping = self.stopping
 
         async def one(position: int, due: float) -> None:
-            if slots is None:
+            try:
                 sample = await self.send(plan, position, due if measured else None)
-            else:
-                async with slots:
-                    sample = await self.send(plan, position, due if measured else None)
+            finally:
+                if slots is not None:
+                    slots.release()
             if on_done is not None:
                 on_done(sample)
 
-        tasks: list[asyncio.Task[None]] = []
+        # The dispatcher takes a request's slot before making its task (the order is the
+        # one a semaphore inside each task gives, vLLM's way), so a run of 100,000 requests
+        # at concurrency 8 has 8 tasks, not 100,000 waiting ones, and stopping is at once.
+        tasks: set[asyncio.Task[None]] = set()
+        failures: list[BaseException] = []
+
+        def finished(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())  # type: ignore[arg-type]
+
+        async def wait_for_stop(seconds: float) -> None:
+            # A sleep that ends early when a stop rule is met.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), seconds)
+
         try:
             for position in positions:
                 due = start
@@ -356,11 +388,27 @@ class LoadGenerator:
                     due += float(plan.offsets[position - plan.warmups])
                     delay = due - time.perf_counter()
                     if delay > 0:
-                        await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(position, due)))
-            await asyncio.gather(*tasks)
+                        await wait_for_stop(delay)
+                    if stopping.is_set():
+                        break
+                if slots is not None:
+                    await slots.acquire()
+                    if measured and stopping.is_set():
+                        slots.release()
+                        break
+                if measured:
+                    self.sent += 1
+                task = asyncio.create_task(one(position, due))
+                tasks.add(task)
+                task.add_done_callback(finished)
+                if failures:
+                    raise failures[0]
+            while tasks:
+                await asyncio.gather(*tasks)
+            if failures:
+                raise failures[0]
         except BaseException:
-            for task in tasks:
+            for task in list(tasks):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise

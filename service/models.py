@@ -121,11 +121,29 @@ class EngineSpec(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
     extra_args: list[str] = Field(default_factory=list, max_length=16)
+    # "dummy": random weights (vLLM's --load-format dummy), the model from its config.json
+    # and tokenizer alone; decode speed depends on the architecture, not the weight values.
+    load_format: Literal["auto", "dummy"] = "auto"
 
     @field_validator("extra_args")
     @classmethod
     def _allowed(cls, args: list[str]) -> list[str]:
         return [_check_extra_arg(a) for a in args]
+
+
+# What vLLM's default loader looks for in a local model directory (top level only).
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+
+
+def effective_load_format(model: str, load_format: str = "auto") -> str:
+    """The weights a server of this model loads: the bundled tiny model has none, so it is
+    always "dummy"; any other model loads what ``engine.load_format`` asks for."""
+    return "dummy" if model == TINY_MODEL_NAME else load_format
+
+
+def has_weight_files(model_dir: Path) -> bool:
+    """Whether a local model directory holds weight files vLLM can load."""
+    return any(next(model_dir.glob(pattern), None) is not None for pattern in WEIGHT_FILES)
 
 
 class GoodputSpec(Strict):
@@ -155,6 +173,35 @@ class RampUpSpec(Strict):
         return self
 
 
+class StopSpec(Strict):
+    """When a run stops sending: once the 95% interval of its median decode ITL is within
+    +-``itl_ci_pct`` percent of the median (checked from ``min_prompts`` answered requests
+    on), after ``duration_s`` seconds of measurement, or at ``max_prompts`` requests
+    (default: the run's ``num_prompts``), whichever comes first. Requests already sent
+    are awaited and measured."""
+
+    itl_ci_pct: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
+    min_prompts: Int | None = Field(default=None, ge=2, le=MAX_PROMPTS)
+    max_prompts: Int | None = Field(default=None, ge=1, le=MAX_PROMPTS)
+    duration_s: float | None = Field(default=None, gt=0, le=7 * 86400, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _a_rule(self) -> StopSpec:
+        if self.itl_ci_pct is None and self.duration_s is None:
+            raise ValueError(
+                "stop needs a rule: stop.itl_ci_pct (stop once the median decode ITL is known "
+                "to +-this percent) and/or stop.duration_s (a time box); without one, "
+                "num_prompts is the fixed count"
+            )
+        if (self.min_prompts is not None and self.max_prompts is not None
+                and self.min_prompts > self.max_prompts):
+            raise ValueError(
+                f"stop.min_prompts ({self.min_prompts}) must not be above stop.max_prompts "
+                f"({self.max_prompts})"
+            )
+        return self
+
+
 class RunSpec(Strict):
     """What one benchmark run measures; see DESIGN.md "RunSpec"."""
 
@@ -173,6 +220,7 @@ class RunSpec(Strict):
     goodput: GoodputSpec = Field(default_factory=GoodputSpec)
     seed: Int = Field(default=0, ge=0, le=2**32 - 1)
     ramp_up: RampUpSpec | None = None
+    stop: StopSpec | None = None
 
     @field_validator("model")
     @classmethod
@@ -192,6 +240,18 @@ class RunSpec(Strict):
                 "'org/name', or an absolute path to a local model directory"
             )
         return value
+
+    @model_validator(mode="after")
+    def _weights(self) -> RunSpec:
+        if (self.model.startswith("/") and self.engine.load_format == "auto"
+                and not has_weight_files(Path(self.model))):
+            raise ValueError(
+                f"the model directory {self.model!r} has no weight files "
+                f"({', '.join(WEIGHT_FILES)}); engine.load_format \"dummy\" runs it without "
+                "them, from its config.json and tokenizer (random weights: decode speed "
+                "depends on the architecture, not the weight values)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_rate(self) -> RunSpec:
@@ -216,6 +276,32 @@ class RunSpec(Strict):
                 f"the model's max length {limit}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _stop_bounds(self) -> RunSpec:
+        stop = self.stop
+        if stop is not None and stop.min_prompts is not None and stop.min_prompts > self.prompt_budget():
+            raise ValueError(
+                f"stop.min_prompts ({stop.min_prompts}) must not be above the most "
+                f"requests the run may send ({self.prompt_budget()}: stop.max_prompts, or "
+                "num_prompts when that is not given)"
+            )
+        return self
+
+    def prompt_budget(self) -> int:
+        """The most measured requests this run may send: ``num_prompts``, or with a stop
+        rule ``stop.max_prompts`` when given."""
+        if self.stop is not None and self.stop.max_prompts is not None:
+            return self.stop.max_prompts
+        return self.num_prompts
+
+    def stop_min_prompts(self) -> int:
+        """Answered requests before the interval rule is first checked: ``stop.min_prompts``,
+        or twice the concurrency (at least 8), so the interval is not taken over the first
+        batch alone; never above the budget."""
+        if self.stop is not None and self.stop.min_prompts is not None:
+            return self.stop.min_prompts
+        return min(self.prompt_budget(), max(8, 2 * (self.max_concurrency or 0)))
 
     def longest_request_tokens(self) -> int:
         """KV cache tokens the longest request of this run needs (prompt plus output)."""
@@ -284,6 +370,9 @@ class Run(SQLModel, table=True):
     warnings: list[dict[str, Any]] | None = SQLField(default=None, sa_column=Column(JSON))
     # The CPU thread layout of the worker that served it (None on a GPU or registered server).
     cpu_binding: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    # Why the run stopped sending (``{rule, message, requests, median_itl_ms, itl_ci_ms,
+    # itl_ci_pct}``; see ``service.stopping``).
+    stopped_by: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
     idempotency_key: str | None = SQLField(default=None, unique=True)
     request_hash: str | None = None
     sweep_id: str | None = SQLField(default=None, index=True)
@@ -385,6 +474,7 @@ class RunPublic(BaseModel):
     connector: dict[str, Any] | None
     warnings: list[RunWarning]
     cpu_binding: dict[str, Any] | None
+    stopped_by: dict[str, Any] | None = None
     error: str | None
 
     @classmethod
@@ -405,6 +495,7 @@ class RunPublic(BaseModel):
             connector=connector,
             warnings=[RunWarning(**w) for w in run.warnings or []],
             cpu_binding=run.cpu_binding,
+            stopped_by=run.stopped_by,
             error=run.error,
         )
 
@@ -482,7 +573,13 @@ def _base_url(value: str) -> str:
 
 def worker_key(model: str, engine: EngineSpec) -> str:
     """Runs and servers with equal keys belong together: one model, one engine configuration."""
-    return json.dumps({"model": model, "engine": engine.model_dump()}, sort_keys=True)
+    config = engine.model_dump(exclude={"load_format"})
+    # The load format is in the key only where it changes the server: the tiny model loads
+    # dummy weights whatever is asked, and keys stored before the field existed (registered
+    # servers) still match runs with real weights.
+    if effective_load_format(model, engine.load_format) != effective_load_format(model):
+        config["load_format"] = engine.load_format
+    return json.dumps({"model": model, "engine": config}, sort_keys=True)
 
 
 class WorkerRegister(Strict):

@@ -16,7 +16,7 @@ from service import charts, server_metrics, store
 from service.auth import COOKIE, is_admin, require_page_reader
 from service.deps import DB
 from service.metrics import Sample as SampleData
-from service.models import RunStatus, connector_totals
+from service.models import RunStatus, connector_totals, effective_load_format
 
 # HTML for people, not part of the REST API's schema.
 router = APIRouter(dependencies=[Depends(require_page_reader)], include_in_schema=False)
@@ -95,10 +95,13 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
                        "TTFT over the run", "request start (s)", "TTFT (ms)"),
     ]
     worker = store.get_worker(engine, run.worker_id) if run.worker_id else None
+    # From the stored spec as it is: runs from before load_format existed loaded "auto".
+    load_format = effective_load_format(run.model, run.spec.get("engine", {}).get("load_format", "auto"))
     return templates.TemplateResponse(
         request,
         "run.html",
         {
+            "load_format": load_format,
             "charts": chart_list,
             "server_view": server_view(store.server_points(engine, run_id), every),
             "worker": worker,

@@ -27,6 +27,7 @@ from service.checks import (
     asked_concurrency,
     client_warnings,
     connector_verdict,
+    dummy_moe,
     infeasible,
     server_warnings,
 )
@@ -34,10 +35,13 @@ from service.driver import DriverError, DriverPool, Drivers
 from service.handles import WorkerError, WorkerHandle
 from service.launcher import Launcher
 from service.metrics import Sample, run_warnings, summarize
-from service.models import RunSpec, RunStatus, connector_totals, utcnow
+from service.models import RunSpec, RunStatus, connector_totals, effective_load_format, utcnow
 from service.server_metrics import Point as ScrapedPoint
 from service.server_metrics import Scraper
 from service.settings import Settings
+from service.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
+from service.stopping import record as stop_record
+from service.vllm_cli import local_model_config
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,11 @@ END_TRIES = 5
 SCRAPE_EVERY_S = 1.0
 # After the last response, the connector's counters for the run are awaited this long.
 REPORT_WAIT_S = 3.0
+# A stop rule's interval is checked this often at most, and never more often than every
+# STOP_CHECK_SHARE-th of the time (the check's own cost makes it wait longer on a big
+# run, so it never takes more than a few percent of a core from the measurement).
+STOP_CHECK_S = 1.0
+STOP_CHECK_SHARE = 20
 
 
 @dataclass
@@ -92,6 +101,8 @@ class Runner:
         self._saved_points = 0
         self.beats: list[dict[str, float]] = []
         self.handle: WorkerHandle | None = None
+        # ``Run.stopped_by`` once the sending stopped (see ``service.stopping``).
+        self.stopped_by: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ samples
 
@@ -153,13 +164,18 @@ class Runner:
         store.update_fields(self.engine, self.run_id, worker_id=handle.id,
                             cpu_binding=handle.cpu_binding)
         spec = self.spec
-        batch = asked_concurrency(spec.max_concurrency, spec.num_prompts, spec.request_rate)
+        batch = asked_concurrency(spec.max_concurrency, spec.prompt_budget(), spec.request_rate)
         reason = infeasible(batch or 1, spec.longest_request_tokens(), handle.kv_tokens)
         if reason is not None:
             raise RunFailed(reason)
         if not store.transition(self.engine, self.run_id, RunStatus.running, started_at=utcnow()):
             return
-        duration = await self._measure(handle)
+        duration, sent, rule = await self._measure(handle)
+        # The interval over every answered request (the rule was checked on fewer).
+        interval = await asyncio.to_thread(itl_interval, list(self.samples))
+        if rule is None:
+            rule = MAX_PROMPTS if spec.stop is not None else NUM_PROMPTS
+        self.stopped_by = stop_record(rule, spec, sent, interval)
         if not handle.alive():
             tail = handle.tail()
             self.launcher.mark_dead(handle, "exited during a run")
@@ -195,6 +211,8 @@ class Runner:
             *server_warnings(self.points, samples, batch,
                              recomputed=int(totals.get("recomputed_requests", 0))),
             *client_warnings(samples, self.beats, open_loop),
+            *dummy_moe(effective_load_format(spec.model, spec.engine.load_format),
+                       local_model_config(self.settings, spec.model)),
         ]
         await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings)
 
@@ -224,9 +242,26 @@ class Runner:
         handle.busy_run = self.run_id
         return handle
 
-    async def _measure(self, handle: WorkerHandle) -> float:
+    async def _stop_when_known(self, drivers: Drivers) -> None:
+        """Tell the drivers to stop sending once the interval rule of the run's stop
+        spec is met (checked on the samples so far, off the event loop)."""
+        checked = 0
+        while True:
+            await asyncio.sleep(STOP_CHECK_S)
+            if len(self.samples) == checked:
+                continue
+            checked = len(self.samples)
+            began = time.perf_counter()
+            interval = await asyncio.to_thread(itl_rule_met, self.spec, list(self.samples))
+            if interval is not None:
+                await drivers.stop_sending(ITL_CI)
+                return
+            await asyncio.sleep((time.perf_counter() - began) * STOP_CHECK_SHARE)
+
+    async def _measure(self, handle: WorkerHandle) -> tuple[float, int, str | None]:
         """Drive the load from driver processes while watching the worker; return the
-        duration. Samples land in ``self.samples`` as they arrive."""
+        duration, the measured requests sent and the stop rule that ended the sending
+        (None: all were sent). Samples land in ``self.samples`` as they arrive."""
         drivers = Drivers.for_run(
             self.run_id, self.spec, handle.url, handle.served_model, handle.vocab_size,
             self.settings.request_timeout_s, self.drivers, self.settings.driver_hang_s,
@@ -253,6 +288,9 @@ class Runner:
         watchdog = asyncio.create_task(self._watch(handle, failures))
         persister = asyncio.create_task(self._persist_every())
         scraping = asyncio.create_task(scraper.run(on_point))
+        stopper = asyncio.create_task(self._stop_when_known(drivers))
+        if self.spec.stop is None or self.spec.stop.itl_ci_pct is None:
+            stopper.cancel()
         try:
             await asyncio.wait({measure, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not measure.done():
@@ -265,17 +303,26 @@ class Runner:
             await asyncio.gather(scraping, return_exceptions=True)
             if (last := await scraper.scrape()) is not None:
                 on_point(last)
-            return duration
+            rule = drivers.stopped_rule
+            if rule is not None and drivers.sent >= self.spec.prompt_budget():
+                rule = None  # every request was sent before the rule was met
+            return duration, drivers.sent, rule
         finally:
-            for task in (measure, watchdog, persister, scraping):
+            tasks = (measure, watchdog, persister, scraping, stopper)
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(measure, watchdog, persister, scraping, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _end(self, status: RunStatus | None, error: str | None, **fields: object) -> None:
         """The one way out: save what is left of the samples and write the end state
         (``status`` None: keep the status the API set). Retried; never raises."""
         ok = sum(s.success for s in self.samples)
-        counts = {"completed": ok, "failed": len(self.samples) - ok}
+        counts: dict[str, Any] = {"completed": ok, "failed": len(self.samples) - ok}
+        if self.stopped_by is not None:
+            counts["stopped_by"] = self.stopped_by
+            if self.spec.stop is not None:
+                # A run that stopped early sent fewer than its budget: that is its total.
+                counts["total"] = len(self.samples)
         for attempt in range(END_TRIES):
             try:
                 self.persist()

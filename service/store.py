@@ -91,7 +91,7 @@ def create_run(engine: Engine, spec: RunSpec, idempotency_key: str | None = None
                     id=new_id("r"),
                     spec=spec.model_dump(),
                     model=spec.model,
-                    total=spec.num_prompts,
+                    total=spec.prompt_budget(),
                     idempotency_key=idempotency_key,
                     request_hash=digest,
                 )
@@ -245,7 +245,7 @@ def create_sweep(engine: Engine, body: SweepCreate) -> Sweep:
         for _, spec in points:
             session.add(
                 Run(id=new_id("r"), spec=spec.model_dump(), model=spec.model,
-                    total=spec.num_prompts, sweep_id=sweep.id)
+                    total=spec.prompt_budget(), sweep_id=sweep.id)
             )
     return sweep
 

@@ -12,20 +12,36 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from service.models import EngineSpec, FillSpec, RunSpec, WorkerRegister
+from service.models import EngineSpec, FillSpec, RunSpec, WorkerRegister, effective_load_format
 from service.settings import Settings
 from service.tinymodel import TINY_MODEL_NAME, ensure_tiny_model
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def model_vocab_size(model_path: str) -> int | None:
-    config = Path(model_path) / "config.json"
+def read_model_config(model_path: str | Path) -> dict[str, Any] | None:
+    """A model directory's config.json, or None if it cannot be read as a JSON object."""
     try:
-        vocab = json.loads(config.read_text()).get("vocab_size")
+        config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
+
+
+def model_vocab_size(model_path: str) -> int | None:
+    """The vocabulary size a model directory's config.json gives, if it gives one."""
+    vocab = (read_model_config(model_path) or {}).get("vocab_size")
     return int(vocab) if isinstance(vocab, int) else None
+
+
+def local_model_config(settings: Settings, model: str) -> dict[str, Any] | None:
+    """The config.json of a model on this machine (the bundled tiny model or a local
+    directory); None for a hub id, whose config only the vLLM server fetches."""
+    if model == TINY_MODEL_NAME:
+        return read_model_config(ensure_tiny_model(settings.models_dir))
+    if model.startswith("/"):
+        return read_model_config(model)
+    return None
 
 
 def kv_transfer_config(control_url: str, token: str, mean: float, std: float) -> dict[str, Any]:
@@ -54,7 +70,7 @@ def engine_flags(model: str, engine: EngineSpec, on_cpu: bool) -> list[str]:
         flags += ["--gpu-memory-utilization", str(mem)]
     if engine.max_model_len is not None:
         flags += ["--max-model-len", str(engine.max_model_len)]
-    if model == TINY_MODEL_NAME:
+    if effective_load_format(model, engine.load_format) == "dummy":
         flags += ["--load-format", "dummy"]
     if on_cpu:
         flags += ["--enforce-eager"]
