@@ -134,7 +134,6 @@ class Launcher(RegisteredServers):
             reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
             await self.stop(handle, status="failed", error=reason)
             raise
-        handle.ready = True
         handle.kv_tokens = await kv_capacity(self.client, handle.url)
         if cpu_binding is not None:
             # What vLLM made of the variables, as its worker logged it while starting.
@@ -142,6 +141,10 @@ class Launcher(RegisteredServers):
             handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
         store.update_worker(self.engine, worker_id, status="ready", ready_at=utcnow(),
                             kv_tokens=handle.kv_tokens, cpu_binding=cpu_binding)
+        # Ready only now, with no await before the caller takes it for its run: a ready
+        # worker that is not busy is idle to placement, which would give it to a queued
+        # run of the same kind while the run it was started for is still waiting for it.
+        handle.ready = True
         log.info("worker %s ready at %s", worker_id, url)
         return handle
 

@@ -1,16 +1,24 @@
 """Placement: which queued runs start now, and where. A pure function of tables.
 
-Rules, oldest queued run first:
-- runs of one kind (``RunSpec.worker_key``) share one server, one run at a time: a run
-  whose kind has a server (or one starting) waits for an idle, ready one;
+A run's kind is ``RunSpec.worker_key`` (model and engine). A server serves one run at a
+time, so that runs never disturb each other. Rules, oldest queued run first:
+- a run takes an idle, ready server of its kind when there is one;
+- on a CPU machine (no GPUs) a kind has one server: a run whose kind has a server (or
+  one starting) waits for it to be idle. There is one local worker at a time, started
+  only when nothing is running or starting, after the idle local workers are stopped;
+- a kind whose only servers are registered ones (none started here, none starting)
+  waits for them: this machine starts none for it;
+- with GPUs, a run that found no idle server starts one more server of its kind (one
+  per run: never one for a run placed already) on ``tensor_parallel_size`` GPUs: free
+  ones first, then GPUs freed by evicting idle, ready local workers of other kinds,
+  least recently used first. Busy and starting workers, and workers of the run's own
+  kind, are never evicted. A GPU stays held by its worker until that worker has
+  stopped, even when it is set aside for eviction. So a sweep of one model and engine
+  runs as many points at once as there are GPU groups, and runs of other kinds keep
+  running beside them where GPUs allow;
 - a run that waits for registered servers only holds nothing of this machine's, so
   later runs of other kinds go past it; any other run that must wait stops the pass
   (first come, first served);
-- a CPU machine (no GPUs) has one local worker at a time, started only when nothing
-  is running or starting, after the idle local workers are stopped;
-- with GPUs, a new worker takes ``tensor_parallel_size`` free GPUs, evicting idle ready
-  workers least recently used first when there are not enough; a GPU stays held by
-  its worker until that worker has stopped, even when it is set aside for eviction;
 - a run needing more GPUs than the service may use fails at once.
 """
 
@@ -100,13 +108,16 @@ def _waits_on_registered(run: QueuedRow, state: _State) -> bool:
 def _place_one(run: QueuedRow, state: _State, gpus: Sequence[str]) -> Decision | None:
     live = [w for w in state.workers.values() if not w.stopping]
     same = [w for w in live if w.key == run.key]
-    if same or any(k == run.key for k, _ in state.starting):
-        idle = [w for w in same if w.ready and not w.busy]
-        if not idle:
-            return None
+    idle = [w for w in same if w.ready and not w.busy]
+    if idle:
         chosen = idle[0]
         state.workers[chosen.id] = replace(chosen, busy=True)
         return Decision(run.id, run.key, reuse=chosen.id)
+    # No other server for this kind: on a CPU a kind has one; a kind served by registered
+    # servers only waits for them.
+    starting = any(k == run.key for k, _ in state.starting)
+    if _waits_on_registered(run, state) or (not gpus and (same or starting)):
+        return None
     local = [w for w in live if not w.external]
     if not gpus:
         if state.starting or any(w.busy or not w.ready for w in local):
@@ -123,7 +134,7 @@ def _place_one(run: QueuedRow, state: _State, gpus: Sequence[str]) -> Decision |
         for w in sorted(local, key=lambda w: w.last_used):
             if len(free) + len(freed) >= need:
                 break
-            if w.ready and not w.busy:
+            if w.ready and not w.busy and w.key != run.key:
                 evict_rows.append(w)
                 freed += [g for g in w.gpus if g in gpus]
         if len(free) + len(freed) < need:
@@ -136,4 +147,3 @@ def _place_one(run: QueuedRow, state: _State, gpus: Sequence[str]) -> Decision |
         state.workers[worker_id] = replace(state.workers[worker_id], stopping=True)
     state.starting.append((run.key, chosen_gpus))
     return Decision(run.id, run.key, gpus=chosen_gpus, evict=evict)
-

@@ -61,13 +61,21 @@ def test_run_that_does_not_fit_waits_for_gpus(four_gpus: TestClient) -> None:
     assert done["started_at"] >= min(r["finished_at"] for r in firsts)
 
 
-def test_runs_of_one_engine_share_one_worker_one_at_a_time(four_gpus: TestClient) -> None:
+def test_runs_of_one_engine_take_a_server_per_gpu_group_one_run_each_at_a_time(
+        four_gpus: TestClient) -> None:
     client = four_gpus
-    ids = [client.post("/api/runs", json=_spec(1)).json()["id"] for _ in range(3)]
+    ids = [client.post("/api/runs", json=_spec(1, 2)).json()["id"] for _ in range(3)]
     runs = [wait_finished(client, run_id) for run_id in ids]
-    assert len({r["worker_id"] for r in runs}) == 1
-    spans = sorted((r["started_at"], r["finished_at"]) for r in runs)
-    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert all(r["status"] == "succeeded" for r in runs)
+    # Two TP-2 servers fill the four GPUs; the third run waits for one of them.
+    assert len({r["worker_id"] for r in runs}) == 2
+    assert runs[0]["worker_id"] != runs[1]["worker_id"]
+    assert max(r["started_at"] for r in runs[:2]) < min(r["finished_at"] for r in runs[:2])
+    workers = {w["id"]: w for w in client.get("/api/workers").json()}
+    assert sorted(w["gpus"] for w in workers.values()) == ["0,1", "2,3"]
+    for worker_id in workers:
+        spans = sorted((r["started_at"], r["finished_at"]) for r in runs if r["worker_id"] == worker_id)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_tensor_parallel_larger_than_the_gpus_fails_with_a_reason(four_gpus: TestClient) -> None:
