@@ -94,6 +94,7 @@ def run_ours(work: Path, grid: dict[str, list[int]], args: argparse.Namespace, s
     if stop_pct is not None:
         base["stop"] = {"itl_ci_pct": stop_pct, "min_prompts": args.stop_min}
     tag = "stop" if stop_pct is not None else "fixed"
+    (work / f"ours-{tag}-{seed}").mkdir(parents=True)
     with service(work / f"ours-{tag}-{seed}", {}) as api:
         began = time.monotonic()
         sweep = api.post("/api/sweeps", json={"base": base, "grid": grid}).json()
@@ -144,7 +145,8 @@ def run_real(work: Path, model_dir: Path, points: list[tuple[int, int]], args: a
                 "--random-input-len", str(input_len), "--random-output-len", str(args.output_len),
                 "--num-prompts", str(args.prompts), "--max-concurrency", str(concurrency),
                 "--seed", str(seed + k), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
-                "--percentile-metrics", "ttft,tpot,itl,e2el",
+                "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--save-detailed",
+                "--result-dir", str(work), "--result-filename", "real.json",
             ])
             with contextlib.redirect_stdout(sys.stderr):
                 out = main(ns)

@@ -51,11 +51,6 @@ PERSIST_EVERY_S = 0.5
 WATCH_EVERY_S = 0.5
 # Tries (with a growing pause) for the write that ends a run.
 END_TRIES = 5
-# The worker's /metrics is scraped this often during a run, and at its start and end. Not
-# more often: vLLM's API server renders it in the process that streams the tokens, and on
-# 2 cores a scrape every 0.5 s made most streams reach the client bunched
-# (benchmarks/scrape.py, figures in benchmarks/README.md).
-SCRAPE_EVERY_S = 1.0
 # After the last response, the connector's counters for the run are awaited this long.
 REPORT_WAIT_S = 3.0
 # A stop rule's interval is checked this often at most, and never more often than every
@@ -274,7 +269,10 @@ class Runner:
             if not sample.success:
                 failures[0] += 1
 
-        scraper = Scraper(self.launcher.client, handle.url, every_s=SCRAPE_EVERY_S)
+        # At the start and end always; during the run only when asked (``scrape_every_s``):
+        # a scrape stalls every open stream of the server (see ``Settings``).
+        every_s = self.settings.scrape_every_s
+        scraper = Scraper(self.launcher.client, handle.url, every_s=every_s or 1.0)
         # Scrapes are stamped with the wall clock; samples with perf_counter (one clock for
         # every process of this machine): points are moved onto the samples' clock.
         to_perf = time.perf_counter() - time.time()
@@ -288,6 +286,8 @@ class Runner:
         watchdog = asyncio.create_task(self._watch(handle, failures))
         persister = asyncio.create_task(self._persist_every())
         scraping = asyncio.create_task(scraper.run(on_point))
+        if not every_s:
+            scraping.cancel()
         stopper = asyncio.create_task(self._stop_when_known(drivers))
         if self.spec.stop is None or self.spec.stop.itl_ci_pct is None:
             stopper.cancel()

@@ -39,6 +39,13 @@ class Settings(BaseSettings):
     # hung: its run fails.
     driver_hang_s: float = Field(default=15.0, gt=0)
     scheduler_poll_s: float = Field(default=0.5, gt=0)
+    # The worker's /metrics is read at a run's start and end, and with a value above 0 also
+    # this often during it. 0 by default: vLLM renders /metrics on the event loop that
+    # streams the tokens, and on a busy 2-core machine one render took up to 0.7 s; every
+    # stream open then stalls and its tokens reach the client in one burst
+    # (benchmarks/README.md, "scrape.py"). Counters (preemptions, prefix hits, queue time)
+    # need only the two ends; the running/waiting time series needs the scrapes.
+    scrape_every_s: float = Field(default=0.0, ge=0)
     # How often registered (external) vLLM servers are health-probed.
     worker_probe_s: float = Field(default=5.0, gt=0)
     # Each worker log is kept to about twice this (the file and one rotated copy).

@@ -229,13 +229,12 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     connector = first["connector"]
     assert connector["filled_requests"] == 16 and connector["requests_filled"] == 16
     assert connector["other_requests"] == 0
-    # The server's own view was scraped during the run and kept.
+    # The server's own view was read at the run's start and end (not during it: a scrape
+    # stalls the server's streams, service/settings.py) and kept; its counters cover the run.
     view = service.get(f"/api/runs/{first['id']}/server-metrics").json()
-    assert len(view["points"]) >= 3
+    assert len(view["points"]) == 2
     running = [p["values"].get("vllm:num_requests_running", 0) for p in view["points"]]
-    # Scraped once a second, a short run shows its batch only at the scrapes: between one
-    # request and the four it asked for, never more.
-    assert 1 <= max(running) <= 4
+    assert max(running) <= 4
     assert view["summary"]["deltas"]["vllm:generation_tokens"] >= 16 * 32
 
     second = _run(service, input_len=4096, output_len=32, num_prompts=8, max_concurrency=4,
