@@ -11,15 +11,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import Engine, func, text
 from sqlmodel import Session, col, select
 
-from service import server_metrics, store
+from service import comparison, server_metrics, store
 from service.auth import require_admin, require_reader, require_worker
 from service.deps import DB, Sched
-from service.errors import ERROR_RESPONSES, Conflict, NotFound
+from service.errors import ERROR_RESPONSES, Conflict, Invalid, NotFound
 from service.metrics import export_vllm, is_bunched
 from service.models import (
     FINISHED,
     ConnectorReport,
     FillAnswer,
+    GroupPublic,
     Run,
     RunList,
     RunPublic,
@@ -197,13 +198,97 @@ def submit_sweep(body: SweepCreate, engine: DB, scheduler: Sched) -> SweepPublic
     """Queue one run per point of a grid over a base spec."""
     sweep = store.create_sweep(engine, body)
     scheduler.notify()
-    return store.sweep_public(engine, sweep.id)
+    return comparison.sweep_public(engine, sweep.id)
 
 
 @router.get("/api/sweeps/{sweep_id}", response_model=SweepPublic, dependencies=READ)
 def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
-    """A sweep: its grid, progress and runs."""
-    return store.sweep_public(engine, sweep_id)
+    """A sweep: its grid, progress and runs; its points (trials grouped) with each figure's
+    95% interval; with a grid over ``mode``, fill against real prefill per point."""
+    return comparison.sweep_public(engine, sweep_id)
+
+
+@router.post("/api/sweeps/{sweep_id}/baseline", dependencies=ADMIN)
+def mark_sweep_baseline(sweep_id: str, engine: DB) -> list[dict[str, Any]]:
+    """Make every point of a sweep with a succeeded run the baseline of its point."""
+    _, runs = store.get_sweep(engine, sweep_id)
+    arms = [a for a in comparison.arms_of(runs) if a.ok]
+    if not arms:
+        raise Conflict(f"sweep {sweep_id} has no succeeded run yet: nothing to mark")
+    return [comparison.mark_baseline(engine, a.id) for a in arms]
+
+
+@router.get("/api/groups/{group_id}", response_model=GroupPublic, dependencies=READ)
+def get_group(group_id: str, engine: DB) -> GroupPublic:
+    """The trials of a run with ``repeats`` and each figure over them: mean, Student-t
+    95% interval and coefficient of variation."""
+    view = comparison.group_view(engine, group_id)
+    return GroupPublic(id=view["id"], spec=view["spec"], runs=[RunPublic.of(r) for r in view["runs"]],
+                       succeeded=view["succeeded"], figures=view["figures"])
+
+
+def split_ids(values: list[str]) -> list[str]:
+    """``ids=a,b&ids=c`` as ``[a, b, c]``, duplicates dropped."""
+    out: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if part and part not in out:
+                out.append(part)
+    return out
+
+
+MAX_COMPARED = 12
+
+
+@router.get("/api/compare", dependencies=READ)
+def compare(engine: DB, ids: Annotated[list[str], Query(max_length=MAX_COMPARED)]) -> dict[str, Any]:
+    """Runs or groups against the first: per metric each one's value with its 95% interval,
+    the ratio to the first with its interval, and a verdict (different / not
+    distinguishable at 95%; better / worse)."""
+    chosen = split_ids(ids)
+    if len(chosen) < 2 or len(chosen) > MAX_COMPARED:
+        raise Invalid(f"give 2 to {MAX_COMPARED} run or group ids in ids (comma-separated or "
+                      f"repeated); got {len(chosen)}")
+    return comparison.compare(engine, chosen)
+
+
+@router.post("/api/runs/{run_id}/baseline", dependencies=ADMIN)
+def mark_baseline(run_id: str, engine: DB) -> dict[str, Any]:
+    """Make a run (a trial: its whole group) the baseline of its point (model, engine and
+    load); 409 until it has succeeded."""
+    return comparison.mark_baseline(engine, run_id)
+
+
+@router.delete("/api/runs/{run_id}/baseline", status_code=204, dependencies=ADMIN)
+def unmark_baseline(run_id: str, engine: DB) -> Response:
+    """Stop a run (or its group) being its point's baseline."""
+    comparison.unmark_baseline(engine, run_id)
+    return Response(status_code=204)
+
+
+@router.get("/api/runs/{run_id}/baseline", dependencies=READ)
+def against_baseline(run_id: str, engine: DB) -> dict[str, Any]:
+    """A run's point against its baseline: per regression metric the ratio with its 95%
+    interval and verdict; 404 when its point has no baseline."""
+    found = comparison.against_baseline(engine, store.get_run(engine, run_id))
+    if found is None:
+        raise NotFound(f"the point of run {run_id} has no baseline")
+    return found
+
+
+@router.get("/api/baselines", dependencies=READ)
+def list_baselines(engine: DB) -> list[dict[str, Any]]:
+    """Every baseline: its point key, arm and model, newest first."""
+    return [{"point": b.point, "arm": b.arm, "model": b.model, "created_at": b.created_at.isoformat()}
+            for b in comparison.list_baselines(engine)]
+
+
+@router.get("/api/regressions", dependencies=READ)
+def regressions(engine: DB) -> list[dict[str, Any]]:
+    """Points whose newest run (or group) is significantly worse than the point's baseline
+    on median or p99 TPOT, decode median ITL or median TTFT."""
+    return comparison.regressions(engine)
 
 
 @router.get("/api/workers", response_model=list[WorkerPublic], dependencies=READ)

@@ -1,21 +1,45 @@
 """Small server-rendered SVG charts: no JavaScript library, no network, nothing to vendor.
 
-Each function returns an ``<svg>`` element as ``Markup`` for the templates; every
-label is escaped.
+Each function returns an ``<svg class="chart">`` element as ``Markup`` for the templates;
+every label is escaped. Hover text is a native ``<title>`` and a click a plain SVG ``<a>``,
+so the charts work without script. Legends sit in a strip below the x-axis label, where
+they can never cover a line.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from html import escape
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from markupsafe import Markup
 
 W, H = 560, 260
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 28, 40
 PALETTE = ("#3b6fd8", "#d8743b", "#3ba55d", "#a83bd8", "#d83b5e", "#3bb6d8", "#8a8f3b", "#555")
+LEGEND_ROW, SWATCH = 16, 16
+# Pixels per character of 10px text, a little over the average so estimates do not overlap.
+CHAR_W = 6
+# Steps drawn per CDF: more is invisible at this width and only makes the page heavy.
+CDF_POINTS = 400
+
+Values = Sequence[float] | npt.NDArray[np.floating[Any]]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured value on a line chart, with what a hover and a click on its dot show."""
+
+    x: float
+    y: float
+    lo: float | None = None  # 95% interval ends of y, when known
+    hi: float | None = None
+    href: str | None = None  # a click on the dot opens this (a same-site path like /runs/r-abc)
+    label: str = ""  # hover text; a default naming the series and the values when empty
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -31,61 +55,150 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def _fmt(v: float) -> str:
-    return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    # Three significant digits, but never an exponent on a value a tick can hold whole.
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if v.is_integer() else f"{v:.6g}"
+
+
+def _tokens(x: float) -> str:
+    """A token count as people write it: 1024 multiples as 1k, 32k, 128k; others whole."""
+    if not x.is_integer():
+        return _fmt(x)
+    n = int(x)
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _decades(lo: float, hi: float) -> list[tuple[float, str]]:
+    """Ticks at the powers of ten within ``[lo, hi]`` (both > 0), plus the ends when fewer than two."""
+    first, last = math.ceil(math.log10(lo) - 1e-9), math.floor(math.log10(hi) + 1e-9)
+    ticks = [10.0**k for k in range(first, last + 1)]
+    if len(ticks) < 2:
+        ticks = sorted({lo, hi, *ticks})
+    return [(t, _fmt(t)) for t in ticks]
+
+
+def _href(href: str) -> str:
+    # Only same-site paths: a link built from stored data must not become javascript: or a
+    # jump to another site ("//host" and "/\host" are both read as another host).
+    if not href.startswith("/") or href[1:2] in ("/", "\\"):
+        raise ValueError(f"chart links are same-site paths, not {href!r}")
+    return escape(href)
+
+
+def _open(title: str, height: float, role: str = "img") -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {W} {height}" '
+        f'width="{W}" height="{height}" role="{role}" aria-label="{escape(title)}">'
+        f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" '
+        f'font-weight="600">{escape(title)}</text>'
+    )
+
+
+def _legend(entries: Sequence[tuple[str, str]], top: float) -> tuple[list[str], int]:
+    """Legend entries ``(name, colour)`` left to right from ``top`` down, a new row whenever
+    the next would pass the width; the parts and the height they take."""
+    parts: list[str] = []
+    x, row = LEFT, 0
+    for name, color in entries:
+        width = SWATCH + 4 + CHAR_W * len(name) + 14
+        if x > LEFT and x + width > W - RIGHT:
+            x, row = LEFT, row + 1
+        y = top + LEGEND_ROW * row + 11
+        parts.append(
+            f'<g class="legend"><line x1="{x}" x2="{x + SWATCH}" y1="{y - 3.5}" y2="{y - 3.5}" '
+            f'stroke="{color}" stroke-width="2"/><text x="{x + SWATCH + 4}" y="{y}" '
+            f'font-size="10">{escape(name)}</text></g>'
+        )
+        x += width
+    return parts, (LEGEND_ROW * (row + 1) + 6 if entries else 0)
 
 
 class _Frame:
+    """One plot area: maps data to pixels, draws the axes, and collects the chart's parts.
+
+    ``xlog`` (2 or 10) places x on that log scale; ``xticks`` are ``(x, label)`` pairs in
+    data units, by default round numbers on a linear axis."""
+
     def __init__(self, title: str, xlabel: str, ylabel: str, x: tuple[float, float],
-                 y: tuple[float, float]) -> None:
-        self.x0, self.x1 = x if x[1] > x[0] else (x[0], x[0] + 1)
+                 y: tuple[float, float], *, xlog: int | None = None,
+                 xticks: Sequence[tuple[float, str]] | None = None) -> None:
+        self.title = title
+        self.xlog = xlog
+        self.legend: list[tuple[str, str]] = []
+        self.role = "img"
+        x0, x1 = self._scale(x[0]), self._scale(x[1])
+        if x1 <= x0:
+            # One x value: centre it (an octave or decade either side on a log axis).
+            pad = 1.0 if xlog else abs(x0) / 2 or 1.0
+            x0, x1 = x0 - pad, x1 + pad
+        self.x0, self.x1 = x0, x1
         self.y0, self.y1 = y if y[1] > y[0] else (y[0], y[0] + 1)
-        self.parts = [
-            f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {W} {H}" '
-            f'width="{W}" height="{H}" role="img" aria-label="{escape(title)}">',
-            f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" '
-            f'font-weight="600">{escape(title)}</text>',
-        ]
+        self.parts: list[str] = []
         for t in _ticks(self.y0, self.y1):
             py = self.py(t)
             self.parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py:.1f}" y2="{py:.1f}" '
                               'stroke="#e3e6ee"/>')
-            self.parts.append(f'<text x="{LEFT - 6}" y="{py + 4:.1f}" text-anchor="end" '
+            self.parts.append(f'<text class="ytick" x="{LEFT - 6}" y="{py + 4:.1f}" text-anchor="end" '
                               f'font-size="10">{_fmt(t)}</text>')
-        for t in _ticks(self.x0, self.x1):
+        self.parts.append(f'<line class="axis" x1="{LEFT}" x2="{W - RIGHT}" y1="{H - BOTTOM}" '
+                          f'y2="{H - BOTTOM}" stroke="#9aa0ad"/>')
+        if xticks is None:
+            xticks = [(t, _fmt(t)) for t in _ticks(self.x0, self.x1)]
+        right = -math.inf
+        for t, label in xticks:
             px = self.px(t)
-            self.parts.append(f'<text x="{px:.1f}" y="{H - BOTTOM + 14}" text-anchor="middle" '
-                              f'font-size="10">{_fmt(t)}</text>')
-        self.parts.append(f'<text x="{W / 2}" y="{H - 6}" text-anchor="middle" '
+            self.parts.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{TOP}" y2="{H - BOTTOM}" '
+                              'stroke="#f0f1f5"/>')
+            # Measured ticks can crowd (1000 next to 1024): a label that would touch the one
+            # before it is left out, its grid line kept.
+            half = CHAR_W * len(label) / 2
+            if px - half < right + 4:
+                continue
+            right = px + half
+            self.parts.append(f'<text class="xtick" x="{px:.1f}" y="{H - BOTTOM + 14}" '
+                              f'text-anchor="middle" font-size="10">{escape(label)}</text>')
+        self.parts.append(f'<text class="xlabel" x="{W / 2}" y="{H - 6}" text-anchor="middle" '
                           f'font-size="11">{escape(xlabel)}</text>')
         self.parts.append(f'<text x="12" y="{H / 2}" text-anchor="middle" font-size="11" '
                           f'transform="rotate(-90 12 {H / 2})">{escape(ylabel)}</text>')
 
+    def _scale(self, x: float) -> float:
+        if self.xlog == 2:
+            return math.log2(x)
+        if self.xlog == 10:
+            return math.log10(x)
+        return x
+
     def px(self, x: float) -> float:
-        return LEFT + (x - self.x0) / (self.x1 - self.x0) * (W - LEFT - RIGHT)
+        return LEFT + (self._scale(x) - self.x0) / (self.x1 - self.x0) * (W - LEFT - RIGHT)
 
     def py(self, y: float) -> float:
         return H - BOTTOM - (y - self.y0) / (self.y1 - self.y0) * (H - TOP - BOTTOM)
 
     def done(self) -> Markup:
-        return Markup("".join([*self.parts, "</svg>"]))
+        legend, extra = _legend(self.legend, H)
+        return Markup("".join([_open(self.title, H + extra, self.role), *self.parts, *legend, "</svg>"]))
 
 
-def histogram(values: Sequence[float], title: str, xlabel: str, ylabel: str = "count",
+def histogram(values: Values, title: str, xlabel: str, ylabel: str = "count",
               bins: int = 30) -> Markup:
-    """Counts of ``values`` in equal-width bins."""
-    if not values:
+    """Counts of ``values`` in equal-width bins; hovering a bar shows its range and count."""
+    data = np.asarray(values, dtype=np.float64)
+    data = data[np.isfinite(data)]
+    if not data.size:
         return empty(title)
-    lo, hi = min(values), max(values)
-    width = (hi - lo) / bins or 1.0
-    counts = [0] * bins
-    for v in values:
-        counts[min(bins - 1, int((v - lo) / width))] += 1
-    frame = _Frame(title, xlabel, ylabel, (lo, lo + width * bins), (0, max(counts)))
-    for i, c in enumerate(counts):
-        x, x2 = frame.px(lo + i * width), frame.px(lo + (i + 1) * width)
+    lo, hi = float(data.min()), float(data.max())
+    counts, edges = np.histogram(data, bins=bins, range=(lo, hi if hi > lo else lo + bins))
+    frame = _Frame(title, xlabel, ylabel, (float(edges[0]), float(edges[-1])), (0, int(counts.max())))
+    for c, a, b in zip(counts.tolist(), edges[:-1].tolist(), edges[1:].tolist(), strict=True):
+        x, x2 = frame.px(a), frame.px(b)
         y = frame.py(c)
         frame.parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(0.5, x2 - x - 1):.1f}" '
-                           f'height="{frame.py(0) - y:.1f}" fill="{PALETTE[0]}"/>')
+                           f'height="{frame.py(0) - y:.1f}" fill="{PALETTE[0]}">'
+                           f'<title>{_fmt(a)} to {_fmt(b)}: {c}</title></rect>')
     return frame.done()
 
 
@@ -101,25 +214,134 @@ def scatter(points: Sequence[tuple[float, float]], title: str, xlabel: str, ylab
     return frame.done()
 
 
-def lines(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str,
-          ylabel: str) -> Markup:
-    """One line (with dots) per named series, with a legend."""
-    pts = [p for s in series.values() for p in s]
-    if not pts:
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _points(raw: Iterable[Point | tuple[float, float]], positive_x: bool) -> list[Point]:
+    """The drawable points in order of x: tuples as Points, non-finite values dropped (an
+    interval needs both ends), and x <= 0 dropped where ``positive_x`` (a log axis)."""
+    out = []
+    for p in raw:
+        point = p if isinstance(p, Point) else Point(float(p[0]), float(p[1]))
+        if not (math.isfinite(point.x) and math.isfinite(point.y)) or (positive_x and point.x <= 0):
+            continue
+        lo, hi = _finite(point.lo), _finite(point.hi)
+        if lo is None or hi is None:
+            lo = hi = None
+        else:
+            lo, hi = float(min(lo, hi)), float(max(lo, hi))
+        # Floats throughout: an int x (as a type checker allows) would have no is_integer().
+        out.append(replace(point, x=float(point.x), y=float(point.y), lo=lo, hi=hi))
+    return sorted(out, key=lambda p: p.x)
+
+
+def _hover(name: str, p: Point) -> str:
+    if p.label:
+        return p.label
+    text = f"{name}: x={_num(p.x)}, y={p.y:.3g}"
+    if p.lo is not None and p.hi is not None:
+        text += f" [{p.lo:.3g}, {p.hi:.3g}]"
+    return text
+
+
+def _bands(frame: _Frame, points: Sequence[Point], color: str) -> list[str]:
+    """A translucent polygon between lo and hi over each stretch of consecutive points that
+    have an interval (a lone one gets only its error bar)."""
+    parts, run = [], []
+    for p in [*points, None]:
+        if p is not None and p.lo is not None and p.hi is not None:
+            run.append((frame.px(p.x), frame.py(p.lo), frame.py(p.hi)))
+            continue
+        if len(run) >= 2:
+            outline = [(x, hi) for x, _, hi in run] + [(x, lo) for x, lo, _ in reversed(run)]
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in outline)
+            parts.append(f'<polygon class="band" points="{path}" fill="{color}" '
+                         'fill-opacity="0.15" stroke="none"/>')
+        run = []
+    return parts
+
+
+def _errorbar(frame: _Frame, p: Point, color: str) -> str:
+    assert p.lo is not None and p.hi is not None
+    x, lo, hi = frame.px(p.x), frame.py(p.lo), frame.py(p.hi)
+    stroke = f'stroke="{color}" stroke-width="1.5"'
+    return (f'<line class="errorbar" x1="{x:.1f}" x2="{x:.1f}" y1="{lo:.1f}" y2="{hi:.1f}" {stroke}/>'
+            + "".join(f'<line class="errorcap" x1="{x - 3:.1f}" x2="{x + 3:.1f}" y1="{y:.1f}" '
+                      f'y2="{y:.1f}" {stroke}/>' for y in (lo, hi)))
+
+
+def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: str, xlabel: str,
+          ylabel: str, *, log2_x: bool = False) -> Markup:
+    """One line (with dots) per named series, with a legend below the axis. Points with a 95%
+    interval get an error bar, and consecutive ones a translucent band; hovering a dot shows
+    its values, and a dot with an ``href`` is a link. ``log2_x`` places x on a log-2 scale
+    with a tick at each measured x, labelled in tokens (2k, 32k); x <= 0 is then dropped."""
+    drawn = {name: (PALETTE[i % len(PALETTE)], pts) for i, (name, raw) in enumerate(series.items())
+             if (pts := _points(raw, positive_x=log2_x))}
+    every = [p for _, pts in drawn.values() for p in pts]
+    if not every:
         return empty(title)
-    # Headroom above the highest point keeps the legend clear of the lines.
-    frame = _Frame(title, xlabel, ylabel, (min(p[0] for p in pts), max(p[0] for p in pts)),
-                   (0, max(p[1] for p in pts) * 1.3))
-    for i, (name, points) in enumerate(series.items()):
-        color = PALETTE[i % len(PALETTE)]
-        path = " ".join(f"{frame.px(x):.1f},{frame.py(y):.1f}" for x, y in sorted(points))
-        frame.parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" '
+    ys = [v for p in every for v in (p.y, p.lo, p.hi) if v is not None]
+    xs = sorted({p.x for p in every})
+    y_range = (min(0.0, min(ys)), max(0.0, max(ys) * 1.1))
+    if log2_x:
+        frame = _Frame(title, xlabel, ylabel, (xs[0], xs[-1]), y_range, xlog=2,
+                       xticks=[(x, _tokens(x)) for x in xs])
+    else:
+        frame = _Frame(title, xlabel, ylabel, (xs[0], xs[-1]), y_range)
+    for color, points in drawn.values():
+        frame.parts.extend(_bands(frame, points, color))
+    for color, points in drawn.values():
+        path = " ".join(f"{frame.px(p.x):.1f},{frame.py(p.y):.1f}" for p in points)
+        frame.parts.append(f'<polyline points="{path}" class="line" fill="none" stroke="{color}" '
                            'stroke-width="2"/>')
-        for x, y in points:
-            frame.parts.append(f'<circle cx="{frame.px(x):.1f}" cy="{frame.py(y):.1f}" r="3" '
-                               f'fill="{color}"/>')
-        frame.parts.append(f'<text x="{W - RIGHT - 4}" y="{TOP + 12 + 13 * i}" text-anchor="end" '
-                           f'font-size="10" fill="{color}">{escape(name)}</text>')
+        frame.parts.extend(_errorbar(frame, p, color) for p in points if p.lo is not None)
+    # Dots last, on top of every line and band, so each one can be hovered and clicked.
+    for name, (color, points) in drawn.items():
+        for p in points:
+            dot = (f'<circle class="dot" cx="{frame.px(p.x):.1f}" cy="{frame.py(p.y):.1f}" r="4" '
+                   f'fill="{color}"><title>{escape(_hover(name, p))}</title></circle>')
+            if p.href is not None:
+                dot = f'<a href="{_href(p.href)}">{dot}</a>'
+                frame.role = "figure"  # an "img" would hide its links from assistive technology
+            frame.parts.append(dot)
+        frame.legend.append((name, color))
+    return frame.done()
+
+
+def cdf(series: Mapping[str, Values], title: str, xlabel: str, *, log_x: bool = False) -> Markup:
+    """The empirical CDF of each named series (the share of its values at or below x) as a
+    step line, with a legend below the axis; hovering a line shows its count and median.
+    ``log_x`` places x on a log-10 scale (values <= 0 dropped). Empty series are skipped."""
+    drawn: dict[str, tuple[str, npt.NDArray[np.float64]]] = {}
+    for i, (name, values) in enumerate(series.items()):
+        data = np.asarray(values, dtype=np.float64)
+        keep = np.isfinite(data)
+        if log_x:
+            keep &= data > 0
+        if keep.any():
+            drawn[name] = (PALETTE[i % len(PALETTE)], np.sort(data[keep]))
+    if not drawn:
+        return empty(title)
+    lo = min(float(d[0]) for _, d in drawn.values())
+    hi = max(float(d[-1]) for _, d in drawn.values())
+    frame = _Frame(title, xlabel, "share of values", (lo, hi), (0.0, 1.0), xlog=10 if log_x else None,
+                   xticks=_decades(lo, hi) if log_x else None)
+    for name, (color, data) in drawn.items():
+        n = data.size
+        # Evenly spaced quantile positions, the first and last always among them.
+        at = np.unique(np.linspace(0, n - 1, min(n, CDF_POINTS)).round().astype(np.intp))
+        shares = (at + 1) / n
+        # Up at each value, then along to the next: (x0, 0), (x0, F0), (x1, F0), (x1, F1), ...
+        corner_x = np.repeat(data[at], 2)
+        corner_y = np.concatenate(([0.0], np.repeat(shares, 2)[:-1]))
+        path = " ".join(f"{frame.px(x):.1f},{frame.py(y):.1f}"
+                        for x, y in zip(corner_x.tolist(), corner_y.tolist(), strict=True))
+        hover = f"{name}: n={n}, median={float(np.median(data)):.3g}"
+        frame.parts.append(f'<polyline points="{path}" class="line" fill="none" stroke="{color}" '
+                           f'stroke-width="2"><title>{escape(hover)}</title></polyline>')
+        frame.legend.append((name, color))
     return frame.done()
 
 
@@ -143,9 +365,10 @@ def _thin(points: Sequence[tuple[float, float]], limit: int = MAX_DRAWN) -> list
 def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]]]], title: str,
              xlabel: str, sampled: Collection[str] = ()) -> Markup:
     """Series over one shared x axis, in stacked panels (one per ``(ylabel, series)``), drawn
-    as lines in the order given (points in order of x), with a legend per panel. Series
-    named in ``sampled`` are readings at discrete times (scrapes): each reading is also a
-    dot, so a line between two readings is not taken for a measurement."""
+    as lines in the order given (points in order of x), with one legend below the axis
+    (colours are not reused across panels). Series named in ``sampled`` are readings at
+    discrete times (scrapes): each reading is also a dot, so a line between two readings is
+    not taken for a measurement."""
     panels = [(label, {k: v for k, v in series.items() if v}) for label, series in panels]
     panels = [(label, series) for label, series in panels if series]
     xs = [x for _, series in panels for pts in series.values() for x, _ in pts]
@@ -159,19 +382,12 @@ def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]
     def px(x: float) -> float:
         return LEFT + (x - x0) / (x1 - x0) * (W - LEFT - RIGHT)
 
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {W} {height}" '
-        f'width="{W}" height="{height}" role="img" aria-label="{escape(title)}">',
-        f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" '
-        f'font-weight="600">{escape(title)}</text>',
-    ]
-    color = 0
+    parts: list[str] = []
+    entries: list[tuple[str, str]] = []
     for i, (ylabel, series) in enumerate(panels):
         top = TOP + i * (PANEL_H + PANEL_GAP)
         bottom = top + PANEL_H
-        # Headroom above the highest point keeps the legend (top right) clear of the lines.
-        headroom = 1.1 + 0.15 * len(series)
-        y1 = max((y for pts in series.values() for _, y in pts), default=0.0) * headroom or 1.0
+        y1 = max((y for pts in series.values() for _, y in pts), default=0.0) * 1.1 or 1.0
 
         def py(y: float, top: float = top, y1: float = y1) -> float:
             return top + PANEL_H - y / y1 * PANEL_H
@@ -179,7 +395,7 @@ def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]
         for t in _ticks(0.0, y1, 4):
             parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
                          'stroke="#e3e6ee"/>')
-            parts.append(f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" text-anchor="end" '
+            parts.append(f'<text class="ytick" x="{LEFT - 6}" y="{py(t) + 4:.1f}" text-anchor="end" '
                          f'font-size="10">{_fmt(t)}</text>')
         for t in _ticks(x0, x1):
             parts.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{top}" y2="{bottom}" '
@@ -187,9 +403,9 @@ def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]
         middle = (top + bottom) / 2
         parts.append(f'<text x="12" y="{middle}" text-anchor="middle" font-size="11" '
                      f'transform="rotate(-90 12 {middle})">{escape(ylabel)}</text>')
-        for j, (name, points) in enumerate(series.items()):
-            stroke = PALETTE[color % len(PALETTE)]
-            color += 1
+        for name, points in series.items():
+            stroke = PALETTE[len(entries) % len(PALETTE)]
+            entries.append((name, stroke))
             path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in _thin(points))
             dashes = ' stroke-dasharray="3 2"' if name in sampled else ""
             parts.append(f'<polyline points="{path}" fill="none" stroke="{stroke}" '
@@ -197,14 +413,15 @@ def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]
             if name in sampled:
                 parts.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{stroke}"/>'
                              for x, y in _thin(points))
-            parts.append(f'<text x="{W - RIGHT - 4}" y="{top + 12 + 13 * j}" text-anchor="end" '
-                         f'font-size="10" fill="{stroke}">{escape(name)}</text>')
+    parts.append(f'<line class="axis" x1="{LEFT}" x2="{W - RIGHT}" y1="{height - BOTTOM}" '
+                 f'y2="{height - BOTTOM}" stroke="#9aa0ad"/>')
     for t in _ticks(x0, x1):
-        parts.append(f'<text x="{px(t):.1f}" y="{height - BOTTOM + 14}" text-anchor="middle" '
-                     f'font-size="10">{_fmt(t)}</text>')
-    parts.append(f'<text x="{W / 2}" y="{height - 6}" text-anchor="middle" '
+        parts.append(f'<text class="xtick" x="{px(t):.1f}" y="{height - BOTTOM + 14}" '
+                     f'text-anchor="middle" font-size="10">{_fmt(t)}</text>')
+    parts.append(f'<text class="xlabel" x="{W / 2}" y="{height - 6}" text-anchor="middle" '
                  f'font-size="11">{escape(xlabel)}</text>')
-    return Markup("".join([*parts, "</svg>"]))
+    legend, extra = _legend(entries, height)
+    return Markup("".join([_open(title, height + extra), *parts, *legend, "</svg>"]))
 
 
 def empty(title: str) -> Markup:

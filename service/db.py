@@ -48,7 +48,23 @@ def make_engine(path: Path) -> Engine:
     SQLModel.metadata.create_all(engine)
     add_missing_columns(engine)
     add_sample_unique_index(engine)
+    add_point_keys(engine)
     return engine
+
+
+def add_point_keys(engine: Engine) -> int:
+    """Give runs stored before runs were keyed by point (``Run.point``) their key, so
+    baselines find them; returns how many were keyed."""
+    from sqlmodel import col, select, update
+
+    from service.models import Run, point_key
+
+    with Session(engine) as session:
+        rows = session.exec(select(Run.id, Run.spec).where(col(Run.point).is_(None))).all()
+        for run_id, spec in rows:
+            session.exec(update(Run).where(col(Run.id) == run_id).values(point=point_key(dict(spec))))
+        session.commit()
+    return len(rows)
 
 
 def add_sample_unique_index(engine: Engine) -> None:

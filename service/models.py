@@ -6,6 +6,8 @@ with its state, and a public shape the API returns.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
 import json
 import math
@@ -27,6 +29,8 @@ from service.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 MAX_INPUT_LEN = 1 << 20
 MAX_OUTPUT_LEN = 1 << 16
 MAX_PROMPTS = 100_000
+# Trials of one point; a sweep's runs (points x repeats) stay under MAX_SWEEP_RUNS.
+MAX_REPEATS = 32
 # One stored sample per (run, request index); older databases get it in ``db.make_engine``.
 SAMPLE_UNIQUE_INDEX = "uq_sample_run_index"
 
@@ -219,6 +223,7 @@ class RunSpec(Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     goodput: GoodputSpec = Field(default_factory=GoodputSpec)
     seed: Int = Field(default=0, ge=0, le=2**32 - 1)
+    repeats: Int = Field(default=1, ge=1, le=MAX_REPEATS)
     ramp_up: RampUpSpec | None = None
     stop: StopSpec | None = None
 
@@ -313,6 +318,30 @@ class RunSpec(Strict):
         """Runs with equal keys can share one vLLM server."""
         return worker_key(self.model, self.engine)
 
+    def trials(self) -> list[RunSpec]:
+        """The spec of each of the ``repeats`` trials: trial ``k`` runs with seed
+        ``seed + k`` (so no two trials send the same prompts), the rest unchanged."""
+        return [self.model_copy(update={"seed": (self.seed + k) % 2**32}) for k in range(self.repeats)]
+
+
+# The fields that make runs measurements of the same thing: one model on one engine under
+# one load, whatever the seed, the number of requests or the stop rule.
+POINT_FIELDS = ("model", "engine", "input_len", "output_len", "range_ratio", "max_concurrency",
+                "request_rate", "burstiness", "ramp_up", "mode", "fill")
+
+
+def point_key(spec: dict[str, Any]) -> str:
+    """A stable key for the point a stored spec measures (see ``POINT_FIELDS``): runs
+    stored before a field of the engine existed have the same key as runs that leave it
+    at its default."""
+    engine = spec.get("engine") or {}
+    # A stored spec an older version accepted but this one refuses is keyed as it is.
+    with contextlib.suppress(ValueError):
+        engine = EngineSpec.model_validate(engine).model_dump()
+    point = {k: spec.get(k) for k in POINT_FIELDS} | {"engine": engine}
+    text = json.dumps(point, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
 
 # --- status machine -------------------------------------------------------------------
 
@@ -376,6 +405,21 @@ class Run(SQLModel, table=True):
     idempotency_key: str | None = SQLField(default=None, unique=True)
     request_hash: str | None = None
     sweep_id: str | None = SQLField(default=None, index=True)
+    # The trials of one point (``spec.repeats`` > 1) share a group id; ``trial`` counts from 0.
+    group_id: str | None = SQLField(default=None, index=True)
+    trial: int | None = None
+    # ``point_key`` of the spec: runs of the same point, for baselines.
+    point: str | None = SQLField(default=None, index=True)
+
+
+class Baseline(SQLModel, table=True):
+    """The run or group later runs of its point are compared against."""
+
+    point: str = SQLField(primary_key=True)
+    # A group id (``g-...``) or a run id (``r-...``).
+    arm: str = SQLField(index=True)
+    model: str
+    created_at: datetime = SQLField(default_factory=utcnow)
 
 
 class Sweep(SQLModel, table=True):
@@ -476,6 +520,9 @@ class RunPublic(BaseModel):
     cpu_binding: dict[str, Any] | None
     stopped_by: dict[str, Any] | None = None
     error: str | None
+    sweep_id: str | None = None
+    group_id: str | None = None
+    trial: int | None = None
 
     @classmethod
     def of(cls, run: Run) -> RunPublic:
@@ -497,6 +544,9 @@ class RunPublic(BaseModel):
             cpu_binding=run.cpu_binding,
             stopped_by=run.stopped_by,
             error=run.error,
+            sweep_id=run.sweep_id,
+            group_id=run.group_id,
+            trial=run.trial,
         )
 
 
@@ -668,17 +718,27 @@ class SweepCreate(Strict):
 
     base: RunSpec = Field(default_factory=RunSpec)
     grid: SweepGrid
+    # Trials of every point; the same as ``base.repeats``, which it sets when given.
+    repeats: Int | None = Field(default=None, ge=1, le=MAX_REPEATS)
 
     @model_validator(mode="after")
     def _grid(self) -> SweepCreate:
         axes = self.grid.axes()
         if not axes:
             raise ValueError(f"the grid sweeps nothing; sweepable: {', '.join(SWEEP_KEYS)}")
+        if self.repeats is not None:
+            if "repeats" in self.base.model_fields_set and self.base.repeats != self.repeats:
+                raise ValueError(
+                    f"repeats ({self.repeats}) and base.repeats ({self.base.repeats}) disagree: "
+                    "give one of them")
+            self.base = self.base.model_copy(update={"repeats": self.repeats})
         size = 1
         for values in axes.values():
             size *= len(values)
-        if size > MAX_SWEEP_RUNS:
-            raise ValueError(f"the grid makes {size} runs, more than the cap of {MAX_SWEEP_RUNS}")
+        if size * self.base.repeats > MAX_SWEEP_RUNS:
+            raise ValueError(
+                f"the grid makes {size} points x {self.base.repeats} repeats = "
+                f"{size * self.base.repeats} runs, more than the cap of {MAX_SWEEP_RUNS}")
         return self
 
     def points(self) -> list[tuple[dict[str, Any], RunSpec]]:
@@ -711,6 +771,23 @@ class SweepPublic(BaseModel):
     created_at: datetime
     progress: dict[str, int]
     runs: list[RunPublic]
+    repeats: int = 1
+    # One entry per point: ``{arm, point, runs, succeeded, figures: {key: {value, ci, cv, n,
+    # method}}}`` (see ``service.comparison``).
+    points: list[dict[str, Any]] = Field(default_factory=list)
+    # Per point with both modes finished: fill/prefill of decode ITL and TPOT with verdicts.
+    fill_vs_prefill: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class GroupPublic(BaseModel):
+    """The trials of one point (a run with ``repeats``) and every figure over them: the
+    mean with a Student-t 95% interval and the CV with two or more succeeded trials."""
+
+    id: str
+    spec: dict[str, Any]
+    runs: list[RunPublic]
+    succeeded: int
+    figures: dict[str, dict[str, Any] | None]
 
 
 Counter = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]

@@ -34,7 +34,7 @@ from service.checks import (
 from service.driver import DriverError, DriverPool, Drivers
 from service.handles import WorkerError, WorkerHandle
 from service.launcher import Launcher
-from service.metrics import Sample, run_warnings, summarize
+from service.metrics import Sample, run_warnings, summarize, summary_intervals
 from service.models import RunSpec, RunStatus, connector_totals, effective_load_format, utcnow
 from service.server_metrics import Point as ScrapedPoint
 from service.server_metrics import Scraper
@@ -177,6 +177,8 @@ class Runner:
             raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
         samples = self.samples
         summary = summarize(samples, duration, self.spec.goodput.model_dump(exclude_none=True))
+        # Beside vLLM's keys: each latency statistic's 95% interval over requests.
+        summary.update(await asyncio.to_thread(summary_intervals, samples))
         ok = [s for s in samples if s.success]
         if len(ok) < len(samples) and not await self._healthy(handle):
             # A server that stopped answering is not reused: the next run gets a new one.

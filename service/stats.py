@@ -1,14 +1,27 @@
-"""Intervals for the figures a run reports, with scipy's bootstrap.
+"""Intervals and comparisons for the figures a run reports, with scipy.
 
-Inter-token gaps of one request are correlated (they share its batch, its position in
-the KV cache, its moments of client starvation), so an interval of a statistic over
-gaps pooled from many requests resamples whole requests (a cluster bootstrap), never
-single gaps: resampling gaps would treat 128 gaps of one request as 128 independent
-draws and make the interval far too narrow.
+Three kinds of uncertainty, each with its own method:
+
+- Within one trial, a statistic of per-request values (median TTFT, p99 TPOT) gets a
+  percentile-bootstrap interval over requests (``scipy.stats.bootstrap``).
+- Inter-token gaps of one request are correlated (they share its batch, its position in
+  the KV cache, its moments of client starvation), so a statistic over gaps pooled from
+  many requests resamples whole requests (a cluster bootstrap), never single gaps:
+  resampling gaps would treat 128 gaps of one request as 128 independent draws and make
+  the interval far too narrow.
+- Across repeated trials of one point, the mean of the trials' values gets a Student-t
+  interval, and the spread its coefficient of variation. Run-to-run drift on a shared
+  machine is usually larger than the noise within one trial, so when trials exist they
+  are what a comparison rests on.
+
+A comparison of two arms (B against A) is the ratio B/A of one statistic: a two-sample
+bootstrap over requests when either arm has a single trial, else a Welch t interval on
+the logs of the trials' values (the ratio of their geometric means).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,8 +30,7 @@ from scipy import stats
 
 CONFIDENCE = 0.95
 # Resamples per interval. The interval's ends move by well under 1% of the median
-# between seeds at this count on runs of 16-1000 requests, and a check stays cheap
-# (about 0.1 s for 500 requests x 128 gaps).
+# between seeds at this count on runs of 16-1000 requests.
 RESAMPLES = 999
 # Resamples evaluated at once: bounds the memory to BATCH x pooled values.
 BATCH = 32
@@ -39,52 +51,234 @@ class Interval:
             return float("inf")
         return 100.0 * max(self.value - self.lo, self.hi - self.value) / abs(self.value)
 
+    def scaled(self, factor: float) -> Interval:
+        """The same interval in other units."""
+        return Interval(self.value * factor, self.lo * factor, self.hi * factor)
 
-def pooled_median_ci(groups: Sequence[np.ndarray], confidence: float = CONFIDENCE,
-                     n_resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
-    """The median of all values of ``groups`` pooled (what ``np.median`` of the
-    concatenation gives), with a percentile-bootstrap interval that resamples whole
-    groups. None when there are fewer than two non-empty groups."""
-    groups = [np.asarray(g, dtype=np.float64) for g in groups]
-    groups = [g for g in groups if g.size]
-    if len(groups) < 2:
+    def pair(self) -> list[float]:
+        """``[lo, hi]``, as the API returns it."""
+        return [self.lo, self.hi]
+
+
+class _PooledQuantile:
+    """The ``q`` quantile (numpy's linear interpolation) of the values of the groups drawn
+    in a resample, each value counted as often as its group was drawn: what
+    ``np.quantile`` of the concatenated drawn groups gives, without concatenating.
+
+    The values are sorted once; a resample's quantile is found from the running count of
+    drawn values. Only the values in a window around the groups' own ``q`` quantiles are
+    weighed per resample (a pooled CDF is a weighted mean of the groups' CDFs, so the
+    pooled quantile lies between the lowest and the highest group quantile, up to one
+    value of each group either side); resamples whose order statistics fall outside the
+    window, which the check below finds, are weighed over all values instead.
+    """
+
+    def __init__(self, groups: Sequence[np.ndarray], q: float) -> None:
+        self.q = q
+        self.n_groups = len(groups)
+        self.sizes = np.array([g.size for g in groups], dtype=np.int64)
+        values = np.concatenate(groups)
+        owner = np.repeat(np.arange(self.n_groups), self.sizes)
+        order = np.argsort(values, kind="stable")
+        self.values, self.owner = values[order], owner[order]
+        near = []
+        for g in groups:
+            s = np.sort(g)
+            h = (s.size - 1) * q
+            near.append(s[max(0, math.floor(h) - 1)])
+            near.append(s[min(s.size - 1, math.ceil(h) + 1)])
+        self.start = int(np.searchsorted(self.values, min(near), side="left"))
+        self.end = int(np.searchsorted(self.values, max(near), side="right"))
+        self.below = np.bincount(self.owner[: self.start], minlength=self.n_groups)
+
+    def value(self) -> float:
+        return float(np.quantile(self.values, self.q))
+
+    def __call__(self, picked: np.ndarray) -> np.ndarray:
+        """``picked``: group indices drawn with replacement, one row per resample."""
+        picked = np.atleast_2d(picked).astype(np.int64)
+        rows = picked.shape[0]
+        flat = (np.arange(rows)[:, None] * self.n_groups + picked).ravel()
+        counts = np.bincount(flat, minlength=rows * self.n_groups).reshape(rows, self.n_groups)
+        total = counts @ self.sizes
+        h = (total - 1) * self.q
+        k = np.floor(h).astype(np.int64)
+        k_next = np.minimum(k + 1, total - 1)
+        below = counts @ self.below
+        inside = counts[:, self.owner[self.start : self.end]]
+        in_window = inside.sum(axis=1)
+        fits = (below <= k) & (below + in_window > k_next)
+        out = np.empty(rows)
+        if fits.any():
+            out[fits] = self._order_stats(
+                self.values[self.start : self.end], below[fits, None] + np.cumsum(inside[fits], axis=1),
+                k[fits], k_next[fits], h[fits])
+        if not fits.all():
+            rest = ~fits
+            everything = np.cumsum(counts[rest][:, self.owner], axis=1)
+            out[rest] = self._order_stats(self.values, everything, k[rest], k_next[rest], h[rest])
+        return out
+
+    @staticmethod
+    def _order_stats(values: np.ndarray, running: np.ndarray, k: np.ndarray, k_next: np.ndarray,
+                     h: np.ndarray) -> np.ndarray:
+        # The k-th smallest drawn value (from 0) is the first sorted value whose running
+        # count passes k; numpy's linear rule interpolates to the next one.
+        low = values[np.argmax(running > k[:, None], axis=1)]
+        high = values[np.argmax(running > k_next[:, None], axis=1)]
+        result: np.ndarray = low + (h - k) * (high - low)
+        return result
+
+
+def _groups(groups: Sequence[Sequence[float] | np.ndarray]) -> list[np.ndarray]:
+    arrays = [np.asarray(g, dtype=np.float64).ravel() for g in groups]
+    return [a[np.isfinite(a)] for a in arrays if a.size]
+
+
+def pooled_quantile_ci(groups: Sequence[Sequence[float] | np.ndarray], q: float,
+                       confidence: float = CONFIDENCE, n_resamples: int = RESAMPLES,
+                       seed: int = 0) -> Interval | None:
+    """The ``q`` quantile of all values of ``groups`` pooled (``np.quantile`` of the
+    concatenation), with a percentile-bootstrap interval that resamples whole groups.
+    None with fewer than two non-empty groups."""
+    arrays = [g for g in _groups(groups) if g.size]
+    if len(arrays) < 2:
         return None
-    sizes = np.array([g.size for g in groups])
-    values = np.concatenate(groups)
-    owner = np.repeat(np.arange(len(groups)), sizes)
-    order = np.argsort(values, kind="stable")
-    values, owner = values[order], owner[order]
-    n_groups = len(groups)
-    # Any pooled median lies between the lowest group's lower middle value and the highest
-    # group's upper middle value (below the first, every group has fewer than half its
-    # values; from the second on, every group has more than half). Only the values in
-    # that window are weighed per resample; the ones below it count per group.
-    middles = [np.sort(g)[[(g.size - 1) // 2, g.size // 2]] for g in groups]
-    start = int(np.searchsorted(values, min(m[0] for m in middles), side="left"))
-    end = int(np.searchsorted(values, max(m[1] for m in middles), side="right"))
-    below = np.bincount(owner[:start], minlength=n_groups)
-    window, window_owner = values[start:end], owner[start:end]
+    pooled = _PooledQuantile(arrays, q)
 
     def statistic(picked: np.ndarray, axis: int = -1) -> np.ndarray:
-        # ``picked``: group indices drawn with replacement, one row per resample. A
-        # resample's pooled values are the sorted values weighted by how often their group
-        # was drawn; its median is where the running weight reaches half the total.
-        picked = np.atleast_2d(np.moveaxis(picked, axis, -1)).astype(np.int64)
-        rows = picked.shape[0]
-        counts = np.zeros((rows, n_groups), dtype=np.int64)
-        np.add.at(counts, (np.arange(rows)[:, None], picked), 1)
-        total = (counts @ sizes)[:, None]
-        weight = (counts @ below)[:, None] + np.cumsum(counts[:, window_owner], axis=1)
-        # Lower and upper middle, averaged like np.median does for an even count.
-        low = np.argmax(2 * weight >= total, axis=1)
-        high = np.argmax(2 * weight > total, axis=1)
-        middle: np.ndarray = (window[low] + window[high]) / 2
-        return middle
+        return pooled(np.moveaxis(picked, axis, -1))
 
     result = stats.bootstrap(
-        (np.arange(n_groups),), statistic, vectorized=True, batch=BATCH,
+        (np.arange(len(arrays)),), statistic, vectorized=True, batch=BATCH,
         n_resamples=n_resamples, confidence_level=confidence, method="percentile",
         random_state=np.random.default_rng(seed),
     )
     ci = result.confidence_interval
-    return Interval(float(np.median(values)), float(ci.low), float(ci.high))
+    return Interval(pooled.value(), float(ci.low), float(ci.high))
+
+
+def pooled_median_ci(groups: Sequence[Sequence[float] | np.ndarray], confidence: float = CONFIDENCE,
+                     n_resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """``pooled_quantile_ci`` of the median."""
+    return pooled_quantile_ci(groups, 0.5, confidence, n_resamples, seed)
+
+
+def quantile_ci(values: Sequence[float] | np.ndarray, q: float, confidence: float = CONFIDENCE,
+                n_resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """The ``q`` quantile of per-request values with a percentile-bootstrap interval over
+    requests; None with fewer than two values."""
+    return pooled_quantile_ci([[v] for v in np.asarray(values, dtype=np.float64).ravel()], q,
+                              confidence, n_resamples, seed)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Repeated trials of one figure: their mean with a Student-t interval, the
+    coefficient of variation (sample std / mean) and the number of trials. With one
+    trial the interval and the CV are unknown (NaN)."""
+
+    mean: float
+    lo: float
+    hi: float
+    cv: float
+    n: int
+
+    def as_dict(self) -> dict[str, float | int | list[float] | None]:
+        """For the API: NaN becomes None."""
+        finite = math.isfinite(self.lo) and math.isfinite(self.hi)
+        return {"mean": self.mean, "ci": [self.lo, self.hi] if finite else None,
+                "cv": self.cv if math.isfinite(self.cv) else None, "n": self.n}
+
+
+def across_trials(values: Sequence[float], confidence: float = CONFIDENCE) -> Spread | None:
+    """The mean of the trials' values with its Student-t interval (n - 1 degrees of
+    freedom) and CV; None without values."""
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
+    if not x.size:
+        return None
+    mean = float(x.mean())
+    if x.size < 2:
+        return Spread(mean, math.nan, math.nan, math.nan, 1)
+    sd = float(x.std(ddof=1))
+    if sd == 0.0:
+        return Spread(mean, mean, mean, 0.0, int(x.size))
+    lo, hi = stats.t.interval(confidence, x.size - 1, loc=mean, scale=sd / math.sqrt(x.size))
+    cv = sd / mean if mean else math.nan
+    return Spread(mean, float(lo), float(hi), cv, int(x.size))
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """B/A of one statistic with its interval, and how the interval was found."""
+
+    value: float
+    lo: float
+    hi: float
+    method: str
+
+    def differs(self) -> bool:
+        """True when the interval excludes 1: B differs from A at the interval's confidence."""
+        return self.lo > 1.0 or self.hi < 1.0
+
+    def within(self, band: tuple[float, float]) -> bool:
+        """True when the whole interval lies inside ``band``."""
+        return band[0] <= self.lo and self.hi <= band[1]
+
+    def outside(self, band: tuple[float, float]) -> bool:
+        """True when the whole interval lies outside ``band``."""
+        return self.lo > band[1] or self.hi < band[0]
+
+
+BOOTSTRAP = "bootstrap over requests"
+T_TRIALS = "Welch t over trials"
+
+
+def ratio_by_requests(a: Sequence[Sequence[float] | np.ndarray], b: Sequence[Sequence[float] | np.ndarray],
+                      q: float, confidence: float = CONFIDENCE, n_resamples: int = RESAMPLES,
+                      seed: int = 0) -> Ratio | None:
+    """The ratio of the pooled ``q`` quantiles of B's and A's groups (one group per
+    request: its gaps, or its one value), with a two-sample bootstrap that resamples each
+    arm's requests on their own. None when an arm has under two requests or a zero
+    statistic."""
+    arms = [[g for g in _groups(x) if g.size] for x in (a, b)]
+    if any(len(x) < 2 for x in arms):
+        return None
+    qa, qb = _PooledQuantile(arms[0], q), _PooledQuantile(arms[1], q)
+    base, other = qa.value(), qb.value()
+    if base <= 0 or other <= 0:
+        return None
+
+    def statistic(pa: np.ndarray, pb: np.ndarray, axis: int = -1) -> np.ndarray:
+        va = qa(np.moveaxis(pa, axis, -1))
+        vb = qb(np.moveaxis(pb, axis, -1))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out: np.ndarray = np.where(va > 0, vb / np.where(va > 0, va, 1.0), np.inf)
+        return out
+
+    result = stats.bootstrap(
+        (np.arange(len(arms[0])), np.arange(len(arms[1]))), statistic, vectorized=True,
+        paired=False, batch=BATCH, n_resamples=n_resamples, confidence_level=confidence,
+        method="percentile", random_state=np.random.default_rng(seed),
+    )
+    ci = result.confidence_interval
+    return Ratio(other / base, float(ci.low), float(ci.high), BOOTSTRAP)
+
+
+def ratio_by_trials(a: Sequence[float], b: Sequence[float],
+                    confidence: float = CONFIDENCE) -> Ratio | None:
+    """The ratio of the geometric means of B's and A's trial values, with a Welch t
+    interval on their logs; None unless each arm has two positive values."""
+    la = np.log([v for v in a if v is not None and v > 0])
+    lb = np.log([v for v in b if v is not None and v > 0])
+    if la.size < 2 or lb.size < 2:
+        return None
+    va, vb = la.var(ddof=1) / la.size, lb.var(ddof=1) / lb.size
+    diff = float(lb.mean() - la.mean())
+    se = math.sqrt(va + vb)
+    if se == 0.0:
+        return Ratio(math.exp(diff), math.exp(diff), math.exp(diff), T_TRIALS)
+    # Welch-Satterthwaite degrees of freedom.
+    df = (va + vb) ** 2 / (va**2 / (la.size - 1) + vb**2 / (lb.size - 1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, df)) * se
+    return Ratio(math.exp(diff), math.exp(diff - half), math.exp(diff + half), T_TRIALS)

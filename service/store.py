@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import Engine, func, update
@@ -36,6 +37,7 @@ from service.models import (
     SweepPublic,
     Worker,
     new_id,
+    point_key,
     sources_of,
     utcnow,
 )
@@ -65,13 +67,37 @@ def update_fields(engine: Engine, run_id: str, **fields: Any) -> None:
 
 
 def _request_hash(spec: RunSpec) -> str:
-    return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()
+    # Fields left at their defaults are left out, so a field added later with a default
+    # does not make a retry of an older request look like another request.
+    body = spec.model_dump(exclude_defaults=True)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _trial_runs(spec: RunSpec, sweep_id: str | None = None) -> list[Run]:
+    """One queued run per trial of ``spec`` (one run when it has no repeats)."""
+    group = new_id("g") if spec.repeats > 1 else None
+    runs = []
+    for k, trial in enumerate(spec.trials()):
+        data = trial.model_dump()
+        runs.append(Run(id=new_id("r"), spec=data, model=trial.model, total=trial.prompt_budget(),
+                        sweep_id=sweep_id, group_id=group, trial=k if group else None,
+                        point=point_key(data)))
+    return runs
+
+
+def _queue_in_order(runs: Sequence[Run]) -> None:
+    # The scheduler takes queued runs by creation time: distinct, increasing times keep
+    # the order they were made in (interleaved trials stay interleaved).
+    now = utcnow()
+    for i, run in enumerate(runs):
+        run.created_at = now + timedelta(microseconds=i)
 
 
 def create_run(engine: Engine, spec: RunSpec, idempotency_key: str | None = None) -> tuple[Run, bool]:
-    """Insert a queued run; with a key, return the existing run for a repeated request.
+    """Insert a queued run (with ``repeats``, one per trial, in one group); with a key,
+    return the existing (first) run for a repeated request.
 
-    Returns the run and whether it was created now.
+    Returns the (first) run and whether it was created now.
     """
     digest = _request_hash(spec)
     for _ in range(2):
@@ -87,15 +113,12 @@ def create_run(engine: Engine, spec: RunSpec, idempotency_key: str | None = None
                                 "Idempotency-Key was already used with a different request body"
                             )
                         return existing, False
-                run = Run(
-                    id=new_id("r"),
-                    spec=spec.model_dump(),
-                    model=spec.model,
-                    total=spec.prompt_budget(),
-                    idempotency_key=idempotency_key,
-                    request_hash=digest,
-                )
-                session.add(run)
+                runs = _trial_runs(spec)
+                _queue_in_order(runs)
+                run = runs[0]
+                run.idempotency_key = idempotency_key
+                run.request_hash = digest
+                session.add_all(runs)
                 return run, True
         except IntegrityError:
             continue  # another request with this key won the race; read theirs
@@ -109,6 +132,29 @@ def get_run(engine: Engine, run_id: str) -> Run:
         if run is None:
             raise NotFound(f"run {run_id!r} not found")
         return run
+
+
+def arm_runs(engine: Engine, arm: str) -> list[Run]:
+    """The trials of a group (``g-...``, in trial order), or the one run an id names;
+    NotFound otherwise."""
+    with Session(engine) as session:
+        if arm.startswith("g-"):
+            runs = list(session.exec(
+                select(Run).where(Run.group_id == arm).order_by(col(Run.trial))).all())
+            if not runs:
+                raise NotFound(f"group {arm!r} not found")
+            return runs
+        run = session.get(Run, arm)
+        if run is None:
+            raise NotFound(f"run {arm!r} not found")
+        return [run]
+
+
+def runs_of_point(engine: Engine, point: str) -> list[Run]:
+    """Every run of one point (``Run.point``), oldest first."""
+    with Session(engine) as session:
+        return list(session.exec(
+            select(Run).where(Run.point == point).order_by(col(Run.created_at), col(Run.id))).all())
 
 
 def list_runs(
@@ -240,13 +286,14 @@ def create_sweep(engine: Engine, body: SweepCreate) -> Sweep:
     except ValueError as exc:
         raise Invalid(str(exc)) from exc
     sweep = Sweep(id=new_id("s"), base=body.base.model_dump(), grid=body.grid.axes())
+    per_point = [_trial_runs(spec, sweep.id) for _, spec in points]
+    # Trial by trial across the points (A B C A B C): drift over time spreads over every
+    # point instead of landing on one.
+    runs = [trials[k] for k in range(body.base.repeats) for trials in per_point]
+    _queue_in_order(runs)
     with write_session(engine) as session:
         session.add(sweep)
-        for _, spec in points:
-            session.add(
-                Run(id=new_id("r"), spec=spec.model_dump(), model=spec.model,
-                    total=spec.prompt_budget(), sweep_id=sweep.id)
-            )
+        session.add_all(runs)
     return sweep
 
 
@@ -374,7 +421,8 @@ def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
     progress["finished"] = sum(progress[s.value] for s in FINISHED)
     progress["infeasible"] = sum(bool(r.error and r.error.startswith("infeasible")) for r in runs)
     return SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
-                       progress=progress, runs=[RunPublic.of(r) for r in runs])
+                       progress=progress, runs=[RunPublic.of(r) for r in runs],
+                       repeats=int(sweep.base.get("repeats", 1)))
 
 
 # --- server metrics: scrapes of a run's vLLM /metrics ---------------------------------------
