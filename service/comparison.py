@@ -118,10 +118,11 @@ def arm_id(run: Run) -> str:
     return run.group_id or run.id
 
 
-def load_arm(engine: Engine, arm: str) -> Arm:
-    """The arm a group id or a run id names: a run of a group stands for its whole group."""
+def load_arm(engine: Engine, arm: str, whole_group: bool = False) -> Arm:
+    """The arm a group id or a run id names; with ``whole_group``, a run of a group stands
+    for its whole group (a baseline is a point, not one of its trials)."""
     runs = store.arm_runs(engine, arm)
-    if not arm.startswith("g-") and runs[0].group_id:
+    if whole_group and not arm.startswith("g-") and runs[0].group_id:
         return Arm(runs[0].group_id, store.arm_runs(engine, runs[0].group_id))
     return Arm(arm, runs)
 
@@ -287,7 +288,7 @@ def _point_of(run: Run) -> str:
 
 def mark_baseline(engine: Engine, arm_or_run: str) -> dict[str, Any]:
     """Make an arm (a run stands for its group) the baseline of its point."""
-    arm = load_arm(engine, arm_or_run)
+    arm = load_arm(engine, arm_or_run, whole_group=True)
     if not arm.ok:
         raise Conflict(f"{arm.id} has no succeeded run: only measured numbers can be a baseline")
     point = _point_of(arm.runs[0])
@@ -302,7 +303,7 @@ def mark_baseline(engine: Engine, arm_or_run: str) -> dict[str, Any]:
 
 def unmark_baseline(engine: Engine, arm_or_run: str) -> None:
     """Drop the baseline an arm is; NotFound when it is none."""
-    arm = load_arm(engine, arm_or_run)
+    arm = load_arm(engine, arm_or_run, whole_group=True)
     with write_session(engine) as session:
         row = session.get(Baseline, _point_of(arm.runs[0]))
         if row is None or row.arm != arm.id:
@@ -335,7 +336,7 @@ def against_baseline(engine: Engine, run: Run,
         base = load_arm(engine, row.arm)
     except NotFound:
         return None
-    arm = load_arm(engine, arm_id(run))
+    arm = load_arm(engine, arm_id(run), whole_group=True)
     changes = _cached(("base", tuple(keys)), [base, arm],
                       lambda: [change(engine, base, arm, BY_KEY[k]) for k in keys])
     return {"baseline": row.arm, "is_baseline": False, "changes": changes}

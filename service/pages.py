@@ -12,11 +12,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 
-from service import charts, server_metrics, store
+from service import charts, comparison, server_metrics, store
+from service.api import MAX_COMPARED, split_ids
 from service.auth import COOKIE, is_admin, require_page_reader
 from service.deps import DB
 from service.metrics import Sample as SampleData
-from service.models import RunStatus, connector_totals, effective_load_format
+from service.models import FINISHED, RunStatus, connector_totals, effective_load_format
 
 # HTML for people, not part of the REST API's schema.
 router = APIRouter(dependencies=[Depends(require_page_reader)], include_in_schema=False)
@@ -48,6 +49,29 @@ def _fmt(value: Any) -> str:
 
 
 templates.env.filters["fmt"] = _fmt
+
+
+def _with_ci(value: Any, ci: Any) -> Markup:
+    """``12.30 [12.00, 12.70]``: a value with its 95% interval when it has one."""
+    text = _fmt(value)
+    if isinstance(ci, list | tuple) and len(ci) == 2 and all(isinstance(v, int | float) for v in ci):
+        return Markup('{} <span class="ci">[{}, {}]</span>').format(text, _fmt(float(ci[0])),
+                                                                     _fmt(float(ci[1])))
+    return Markup("{}").format(text)
+
+
+def _figure(fig: Mapping[str, Any] | None) -> Markup:
+    """A point's figure (``service.comparison.figure``) with its interval and spread."""
+    if not fig:
+        return Markup("-")
+    out = _with_ci(fig["value"], fig.get("ci"))
+    if fig.get("cv") is not None:
+        out += Markup(' <span class="muted">CV {:.1%}</span>').format(fig["cv"])
+    return out
+
+
+templates.env.filters["with_ci"] = _with_ci
+templates.env.filters["figure"] = _figure
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -95,6 +119,8 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
                        "TTFT over the run", "request start (s)", "TTFT (ms)"),
     ]
     worker = store.get_worker(engine, run.worker_id) if run.worker_id else None
+    group = store.arm_runs(engine, run.group_id) if run.group_id else []
+    baseline = comparison.against_baseline(engine, run) if run.status in FINISHED else None
     # From the stored spec as it is: runs from before load_format existed loaded "auto".
     load_format = effective_load_format(run.model, run.spec.get("engine", {}).get("load_format", "auto"))
     return templates.TemplateResponse(
@@ -102,6 +128,8 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
         "run.html",
         {
             "load_format": load_format,
+            "group": group,
+            "baseline": baseline,
             "charts": chart_list,
             "server_view": server_view(store.server_points(engine, run_id), every),
             "worker": worker,
@@ -145,83 +173,115 @@ def server_view(points: Sequence[Mapping[str, Any]], samples: Sequence[SampleDat
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
 def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
-    """One sweep: its grid and every run's headline numbers."""
-    sweep = store.sweep_public(engine, sweep_id)
+    """One sweep: its points with their intervals, curves, fill against prefill, runs."""
+    sweep = comparison.sweep_public(engine, sweep_id)
     keys = list(sweep.grid)
+    runs_by_id = {r.id: r for r in sweep.runs}
+    rows = [({k: comparison._value(r.spec, k) for k in keys}, r) for r in sweep.runs]
+    points = sweep.points
+    both_modes = len({p["point"].get("mode", "fill") for p in points}) > 1
+    href = {p["arm"]: f"/groups/{p['arm']}" if p["arm"].startswith("g-") else f"/runs/{p['arm']}"
+            for p in points}
 
-    def value(spec: dict[str, Any], key: str) -> Any:
-        for part in key.split("."):
-            spec = spec[part]
-        return spec
-
-    rows = [({k: value(r.spec, k) for k in keys}, r) for r in sweep.runs]
-    done = [r for r in sweep.runs if r.summary and r.status == "succeeded"]
-
-    def by(label: str, x: str, y: str, mode: str | None = None) -> dict[str, list[tuple[float, float]]]:
-        series: dict[str, list[tuple[float, float]]] = {}
-        for r in done:
-            if mode is not None and r.spec["mode"] != mode:
+    def curve(key: str, x: str, label: str) -> dict[str, list[charts.Point]]:
+        series: dict[str, list[charts.Point]] = {}
+        for p in points:
+            fig = p["figures"].get(key)
+            if not fig or fig["value"] is None:
                 continue
-            name = f"{label}={r.spec[label] if r.spec[label] is not None else 'inf'}"
-            assert r.summary is not None
-            if r.summary.get(y) is None:
-                continue  # a key an older run's summary does not have
-            series.setdefault(name, []).append((float(r.spec[x]), float(r.summary[y])))
+            spec = runs_by_id[p["runs"][0]].spec
+            other = spec[label]
+            name = f"{label}={other if other is not None else 'inf'}"
+            if both_modes:
+                name += f" {spec['mode']}"
+            ci = fig.get("ci") or [None, None]
+            # A latency or a rate is never below 0: a t interval over two or three trials
+            # can reach there; the band stops at 0, the hover text keeps the interval.
+            drawn_lo = max(ci[0], 0.0) if ci[0] is not None else None
+            what = ", ".join(f"{k}={v}" for k, v in p["point"].items())
+            spread = f" [{ci[0]:.3g}, {ci[1]:.3g}]" if ci[0] is not None else ""
+            trials = f"; {fig['n']} trials" if fig["n"] > 1 else ""
+            series.setdefault(name, []).append(charts.Point(
+                float(spec[x]), float(fig["value"]), drawn_lo, ci[1], href[p["arm"]],
+                f"{what}: {fig['value']:.3g}{spread}{trials}"))
         return series
 
+    x_key = "input_len" if "input_len" in keys or "max_concurrency" not in keys else "max_concurrency"
+    line_key = "max_concurrency" if x_key == "input_len" else "input_len"
+    log2 = x_key == "input_len"
+    xlabel = "input length (tokens, log-2 scale)" if log2 else "max_concurrency"
     chart_list = [
-        charts.lines(by("max_concurrency", "input_len", "median_tpot_ms", "fill"),
-                     "Median TPOT against input length (fill runs)", "input_len (tokens)", "ms"),
-        charts.lines(by("max_concurrency", "input_len", "decode_median_tpot_ms", "fill"),
-                     "Decode-only median TPOT (steady window) against input length (fill runs)",
-                     "input_len (tokens)", "ms"),
-        charts.lines(by("max_concurrency", "input_len", "p99_tpot_ms", "fill"),
-                     "p99 TPOT against input length (fill runs)", "input_len (tokens)", "ms"),
-        charts.lines(
-            {k: v for k, v in by("input_len", "max_concurrency", "output_throughput").items()
-             if all(x > 0 for x, _ in v)},
-            "Output throughput against concurrency", "max_concurrency", "tokens/s"),
+        charts.lines(curve("median_tpot_ms", x_key, line_key), "Median TPOT (ms) with its 95% interval",
+                     xlabel, "ms", log2_x=log2),
+        charts.lines(curve("decode_median_tpot_ms", x_key, line_key),
+                     "Decode-only median TPOT (steady window, ms)", xlabel, "ms", log2_x=log2),
+        charts.lines(curve("p99_tpot_ms", x_key, line_key), "p99 TPOT (ms)", xlabel, "ms", log2_x=log2),
+        charts.lines(curve("output_throughput", "max_concurrency", "input_len"),
+                     "Output throughput against concurrency", "max_concurrency", "tokens/s"),
     ]
-    # Fill and real-prefill runs of the same point, side by side.
-    pairs = []
-    if "mode" in keys:
-        others = [k for k in keys if k != "mode"]
-        fills = {tuple(p[k] for k in others): r for p, r in rows if p["mode"] == "fill"}
-        for point, run in rows:
-            twin = fills.get(tuple(point[k] for k in others))
-            if point["mode"] == "prefill" and twin is not None:
-                pairs.append(({k: point[k] for k in others}, twin, run))
+    baselines = {}
+    for p in points:
+        first = runs_by_id[p["runs"][0]]
+        if p["succeeded"] and all(runs_by_id[i].status in FINISHED for i in p["runs"]):
+            baselines[p["arm"]] = comparison.against_baseline(engine, store.get_run(engine, first.id))
     return templates.TemplateResponse(
         request, "sweep.html",
-        {"sweep": sweep, "keys": keys, "rows": rows, "charts": chart_list, "pairs": pairs},
+        {"sweep": sweep, "keys": keys, "rows": rows, "charts": chart_list, "points": points,
+         "pairs": sweep.fill_vs_prefill, "href": href, "baselines": baselines,
+         "base_shown": {k: v for k, v in sweep.base.items() if k not in keys}},
     )
 
 
-COMPARE_KEYS = [
-    "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
-    "p99_itl_ms", "median_e2el_ms", "output_throughput", "request_throughput",
-    "total_token_throughput", "completed", "failed", "duration",
-]
+@router.get("/groups/{group_id}", response_class=HTMLResponse)
+def group_page(request: Request, group_id: str, engine: DB) -> HTMLResponse:
+    """The trials of one point and every figure over them."""
+    view = comparison.group_view(engine, group_id)
+    points = []
+    for r in view["runs"]:
+        value = (r.summary or {}).get("median_tpot_ms") if r.status == "succeeded" else None
+        if value is None:
+            continue
+        lo, hi = (r.summary or {}).get("median_tpot_ms_ci") or [None, None]
+        points.append(charts.Point(float(r.trial or 0) + 1, float(value), lo, hi, f"/runs/{r.id}",
+                                   f"trial {(r.trial or 0) + 1} ({r.id}): {value:.3g} ms"))
+    trial_chart = charts.lines({"median TPOT": points},
+                               "Median TPOT per trial (ms) with its interval over requests", "trial", "ms")
+    return templates.TemplateResponse(
+        request, "group.html", {"group": view, "chart": trial_chart,
+                                "shown": [k for k in comparison.POINT_FIGURES if k in view["figures"]]
+                                + [k for k in view["figures"] if k not in comparison.POINT_FIGURES]})
 
 
 @router.get("/compare", response_class=HTMLResponse)
 def compare_page(
-    request: Request, engine: DB, ids: Annotated[str, Query(min_length=1, max_length=2000)]
+    request: Request, engine: DB,
+    ids: Annotated[list[str] | None, Query(max_length=MAX_COMPARED)] = None,
 ) -> HTMLResponse:
-    """Chosen runs side by side, metric by metric, with the change against the first."""
-    run_ids = [i for i in (part.strip() for part in ids.split(",")) if i][:12]
-    runs = [store.get_run(engine, run_id) for run_id in run_ids]
-    table = []
-    for key in COMPARE_KEYS:
-        values = [(r.summary or {}).get(key) for r in runs]
-        first = values[0]
-        deltas = [
-            (v / first - 1) * 100 if isinstance(v, (int, float)) and isinstance(first, (int, float))
-            and first else None
-            for v in values
-        ]
-        table.append((key, values, deltas))
-    return templates.TemplateResponse(request, "compare.html", {"runs": runs, "table": table})
+    """Chosen runs or groups against the first: distributions, each metric's change with
+    its interval and a verdict."""
+    chosen = split_ids(ids or [])[:MAX_COMPARED]
+    if len(chosen) < 2:
+        return templates.TemplateResponse(request, "compare.html", {"result": None, "chosen": chosen,
+                                                                    "charts": []})
+    result = comparison.compare(engine, chosen)
+    arms = [comparison.load_arm(engine, a["id"]) for a in result["arms"]]
+    names = {}
+    for arm in arms:
+        spec = arm.spec
+        names[arm.id] = f"{arm.id} ({spec['mode']}, ISL {spec['input_len']}, c={spec['max_concurrency']})"
+    chart_list = []
+    for title, values, xlabel in (("TTFT", "ttft", "TTFT (ms)"), ("TPOT", "tpot", "TPOT (ms)"),
+                                  ("ITL", "itl", "ITL (ms)")):
+        series = {}
+        for arm in arms:
+            groups = arm.request_groups(engine, values)
+            if groups:
+                series[names[arm.id]] = np.concatenate(groups) * 1000
+        chart_list.append(charts.cdf(series, f"{title}: share of values at or below", xlabel))
+    return templates.TemplateResponse(
+        request, "compare.html",
+        {"result": result, "chosen": chosen, "charts": chart_list, "names": names},
+    )
 
 
 def _safe_next(target: str) -> str:

@@ -191,7 +191,7 @@ class Spread:
                 "cv": self.cv if math.isfinite(self.cv) else None, "n": self.n}
 
 
-def across_trials(values: Sequence[float], confidence: float = CONFIDENCE) -> Spread | None:
+def across_trials(values: Sequence[float] | np.ndarray, confidence: float = CONFIDENCE) -> Spread | None:
     """The mean of the trials' values with its Student-t interval (n - 1 degrees of
     freedom) and CV; None without values."""
     x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
@@ -265,7 +265,7 @@ def ratio_by_requests(a: Sequence[Sequence[float] | np.ndarray], b: Sequence[Seq
     return Ratio(other / base, float(ci.low), float(ci.high), BOOTSTRAP)
 
 
-def ratio_by_trials(a: Sequence[float], b: Sequence[float],
+def ratio_by_trials(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray,
                     confidence: float = CONFIDENCE) -> Ratio | None:
     """The ratio of the geometric means of B's and A's trial values, with a Welch t
     interval on their logs; None unless each arm has two positive values."""

@@ -42,24 +42,39 @@ def test_sweep_page_draws_curves_and_pairs_fill_with_prefill(client: TestClient)
     html = client.get(f"/sweeps/{sweep['id']}").text
     charts = _svgs(html)
     assert len(charts) == 4
-    # One line per concurrency on the TPOT charts (vLLM's median, the decode-only median,
-    # p99), one per input length on throughput.
-    assert charts[0].count("<polyline") == 2 and "max_concurrency=1" in charts[0]
-    assert "Decode-only median TPOT" in charts[1] and charts[1].count("<polyline") == 2
-    assert charts[3].count("<polyline") == 2 and "input_len=32" in charts[3]
+    # One line per concurrency and mode on the TPOT charts (vLLM's median, the decode-only
+    # median, p99), one per input length and mode on throughput; each dot opens its run.
+    assert charts[0].count("<polyline") == 4 and "max_concurrency=1 fill" in charts[0]
+    assert "Decode-only median TPOT" in charts[1] and charts[1].count("<polyline") == 4
+    assert charts[3].count("<polyline") == 4 and "input_len=32 prefill" in charts[3]
+    assert charts[0].count('<a href="/runs/r-') == 8
+    # Single trials: each point carries its bootstrap interval over requests, drawn as a band.
+    assert charts[0].count('class="band"') == 4 and charts[0].count('class="errorbar"') == 8
     pairs = html.split('id="pairs"')[1].split("</table>")[0]
     assert pairs.count("side by side") == 4
-    assert re.search(r"\d+\.\d\dx", pairs)
+    assert pairs.count("<td class=\"muted\">bootstrap over requests</td>") == 4
+    assert re.search(r'\d\.\d\d <span class="ci">\[\d\.\d\d, \d\.\d\d\]</span>', pairs)
+    assert len(re.findall(r'class="verdict flag-(matches|differs|undecided)"', pairs)) == 4
+    table = html.split('id="point-table"')[1].split("</table>")[0]
+    assert table.count('href="/runs/r-') == 8
 
 
 def test_compare_shows_runs_side_by_side_with_differences(client: TestClient) -> None:
     ids = [client.post("/api/runs", json={**SMALL, "output_len": n}).json()["id"] for n in (4, 12)]
     for run_id in ids:
         wait_finished(client, run_id)
-    html = client.get(f"/compare?ids={ids[0]},{ids[1]}").text
+    html = client.get(f"/compare?ids={ids[0]}&ids={ids[1]}").text
     assert ids[0] in html and ids[1] in html
-    assert "median_tpot_ms" in html and "%)" in html
-    assert client.get("/compare?ids=r-nope").status_code == 404
+    assert "median_tpot_ms" in html
+    assert re.search(r"[+-]\d+\.\d% \[[+-]\d+\.\d%, [+-]\d+\.\d%\]: (worse|better) \(different at 95%\)"
+                     r"|not distinguishable at 95%", html)
+    # The distributions: a CDF of TTFT, TPOT and ITL with one line per run.
+    charts = _svgs(html)
+    assert len(charts) == 3 and all(c.count("<polyline") == 2 for c in charts)
+    assert client.get(f"/compare?ids={ids[0]},r-nope").status_code == 404
+    # No ids, or one: a page that says what to give, not an error.
+    empty = client.get("/compare")
+    assert empty.status_code == 200 and 'id="choose"' in empty.text
 
 
 def test_user_strings_are_escaped_on_pages(client: TestClient) -> None:
