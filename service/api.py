@@ -174,6 +174,9 @@ def export_run(
             "load_format": effective_load_format(
                 spec["model"], spec["engine"].get("load_format", "auto")),
             "cpu_binding": run.cpu_binding, "stopped_by": run.stopped_by,
+            # 95% bootstrap intervals over requests, keyed like vLLM's statistics.
+            "intervals": {k: v for k, v in run.summary.items() if k.endswith("_ci")},
+            "group_id": run.group_id, "trial": run.trial, "seed": spec.get("seed"),
             "server_metrics": server_metrics.summarize(_server_points(engine, run_id)),
             "connector": {**connector_totals((run.connector or {}).get("ranks", {})),
                           "pulls": run.connector_pulls},

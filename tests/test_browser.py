@@ -40,9 +40,11 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     try:
         with service.client() as c:
             run = c.post("/api/runs", json=SMALL).json()["id"]
-            sweep = c.post("/api/sweeps", json={"base": SMALL, "grid": {
+            # Two trials of every point, fill and real prefill side by side.
+            sweep = c.post("/api/sweeps", json={"base": SMALL, "repeats": 2, "grid": {
                 "input_len": [8, 32], "max_concurrency": [1, 2], "mode": ["fill", "prefill"]}}).json()
             ids = [run] + [r["id"] for r in sweep["runs"]]
+            groups = list(dict.fromkeys(r["group_id"] for r in sweep["runs"]))
             deadline = 120
             for run_id in ids:
                 for _ in range(deadline * 10):
@@ -51,12 +53,15 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                     subprocess.run(["sleep", "0.1"], check=True)
         yield {"index": f"{service.url}/", "run": f"{service.url}/runs/{run}",
                "sweep": f"{service.url}/sweeps/{sweep['id']}",
-               "compare": f"{service.url}/compare?ids={ids[1]},{ids[2]}"}
+               "compare": f"{service.url}/compare?ids={ids[1]},{ids[2]}",
+               "compare_points": f"{service.url}/compare?ids={groups[0]}&ids={groups[1]}",
+               "group": f"{service.url}/groups/{groups[0]}"}
     finally:
         service.stop()
 
 
-@pytest.mark.parametrize(("page", "charts"), [("index", 0), ("run", 4), ("sweep", 4), ("compare", 0)])
+@pytest.mark.parametrize(("page", "charts"), [("index", 0), ("run", 4), ("sweep", 4), ("compare", 3),
+                                              ("compare_points", 3), ("group", 1)])
 def test_page_renders_in_chromium_with_charts_and_no_console_output(
     pages: dict[str, str], tmp_path: Path, page: str, charts: int
 ) -> None:
@@ -73,3 +78,35 @@ def test_page_renders_in_chromium_with_charts_and_no_console_output(
     _browse(pages[page], tmp_path / "profile2", f"--screenshot={shots / page}.png",
             "--window-size=1280,1800")
     assert (shots / f"{page}.png").stat().st_size > 10_000
+
+
+def test_sweep_with_repeats_draws_bands_and_shows_fill_verdicts(pages: dict[str, str], tmp_path: Path) -> None:
+    dom, _ = _browse(pages["sweep"], tmp_path / "profile", "--dump-dom")
+    drawn = re.findall(r'<svg[^>]*class="chart"[^>]*>(.*?)</svg>', dom, flags=re.S)
+    # The three TPOT charts: one band per line (concurrency x mode) and a bar per point, each
+    # dot with its hover text and a link to its point.
+    for svg in drawn[:3]:
+        assert svg.count('class="band"') == 4
+        assert svg.count('class="errorbar"') == 8
+        assert len(re.findall(r'<a href="/groups/g-[0-9a-f]+"', svg)) == 8
+        assert re.search(r"<title>[^<]*\[[-\d.e]+, [\d.e]+\]; 2 trials</title>", svg)
+    # Log-2 input axis labelled at the measured lengths.
+    assert re.search(r">8</text>.*>32</text>", drawn[0], flags=re.S)
+    pairs = dom.split('id="pairs"')[1].split("</table>")[0]
+    verdicts = re.findall(r'class="verdict flag-(matches|differs|undecided)"', pairs)
+    assert len(verdicts) == 4
+    assert pairs.count("Welch t over trials") >= 4
+    # Every point whose interval is not inside [0.95, 1.05] is flagged above the charts.
+    flagged = [v for v in verdicts if v != "matches"]
+    if flagged:
+        flags = dom.split('id="fill-flags"')[1].split("</div>")[0]
+        assert sorted(re.findall(r'<p class="flag-(\w+)"', flags)) == sorted(flagged)
+        assert flags.count("[0.95, 1.05]") == flagged.count("undecided")
+
+
+def test_compare_page_shows_verdicts(pages: dict[str, str], tmp_path: Path) -> None:
+    dom, _ = _browse(pages["compare_points"], tmp_path / "profile", "--dump-dom")
+    table = dom.split('id="compare"')[1].split("</table>")[0]
+    verdicts = re.findall(r"(different at 95%|not distinguishable at 95%|no interval)", table)
+    assert len(verdicts) == 11
+    assert "Welch t over trials" in table

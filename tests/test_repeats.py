@@ -80,6 +80,12 @@ def test_a_run_with_repeats_is_one_group_and_a_retry_makes_no_more(client: TestC
                 "p99_itl_ms", "decode_median_itl_ms"):
         lo, hi = summary[f"{key}_ci"]
         assert lo <= summary[key] <= hi
+    # The export keeps vLLM's keys as they are and carries the intervals in its own block.
+    exported = client.get(f"/api/runs/{done['id']}/export").json()
+    assert not [k for k in exported if k.endswith("_ci")]
+    block = exported["decodebench"]
+    assert block["intervals"]["median_tpot_ms_ci"] == summary["median_tpot_ms_ci"]
+    assert (block["group_id"], block["trial"], block["seed"]) == (run["group_id"], 2, 2)
 
 
 @pytest.mark.parametrize(("body", "needle"), [
