@@ -230,28 +230,33 @@ def get_group(group_id: str, engine: DB) -> GroupPublic:
                        succeeded=view["succeeded"], figures=view["figures"])
 
 
-def split_ids(values: list[str]) -> list[str]:
-    """``ids=a,b&ids=c`` as ``[a, b, c]``, duplicates dropped."""
-    out: list[str] = []
-    for value in values:
-        for part in value.split(","):
-            part = part.strip()
-            if part and part not in out:
-                out.append(part)
-    return out
-
-
-MAX_COMPARED = 12
+@router.post("/api/groups/{group_id}/cancel", response_model=GroupPublic, dependencies=ADMIN)
+def cancel_group(group_id: str, engine: DB, scheduler: Sched) -> GroupPublic:
+    """Cancel every trial of a point that has not finished; 409 when all have."""
+    if not group_id.startswith("g-"):
+        raise NotFound(f"group {group_id!r} not found")
+    runs = store.arm_runs(engine, group_id)
+    cancelled = 0
+    for run in runs:
+        if run.status not in FINISHED and store.transition(
+                engine, run.id, RunStatus.cancelled, error="cancelled by the user (its group)"):
+            scheduler.cancel(run.id)
+            cancelled += 1
+    if not cancelled:
+        raise Conflict(f"every trial of {group_id} already finished; nothing to cancel")
+    return get_group(group_id, engine)
 
 
 @router.get("/api/compare", dependencies=READ)
-def compare(engine: DB, ids: Annotated[list[str], Query(max_length=MAX_COMPARED)]) -> dict[str, Any]:
+def compare(
+    engine: DB, ids: Annotated[list[str], Query(max_length=comparison.MAX_COMPARED)],
+) -> dict[str, Any]:
     """Runs or groups against the first: per metric each one's value with its 95% interval,
     the ratio to the first with its interval, and a verdict (different / not
     distinguishable at 95%; better / worse)."""
-    chosen = split_ids(ids)
-    if len(chosen) < 2 or len(chosen) > MAX_COMPARED:
-        raise Invalid(f"give 2 to {MAX_COMPARED} run or group ids in ids (comma-separated or "
+    chosen = comparison.split_ids(ids)
+    if len(chosen) < 2 or len(chosen) > comparison.MAX_COMPARED:
+        raise Invalid(f"give 2 to {comparison.MAX_COMPARED} run or group ids in ids (comma-separated or "
                       f"repeated); got {len(chosen)}")
     return comparison.compare(engine, chosen)
 

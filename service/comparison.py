@@ -374,12 +374,26 @@ def regressions(engine: Engine) -> list[dict[str, Any]]:
     return out
 
 
+MAX_COMPARED = 12
+
+
+def split_ids(values: Iterable[str]) -> list[str]:
+    """``ids=a,b&ids=c`` as ``[a, b, c]``, duplicates dropped."""
+    out: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if part and part not in out:
+                out.append(part)
+    return out
+
+
 # Figures each point of a sweep reports with its interval.
 POINT_FIGURES = ("median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "median_itl_ms",
                  "decode_median_itl_ms", "decode_median_tpot_ms", "output_throughput")
 
 
-def _value(spec: dict[str, Any], key: str) -> Any:
+def spec_value(spec: dict[str, Any], key: str) -> Any:
     for part in key.split("."):
         spec = spec[part]
     return spec
@@ -394,7 +408,7 @@ def sweep_points(engine: Engine, grid_keys: Sequence[str], runs: Sequence[Run]) 
     for arm in arms:
         points.append({
             "arm": arm.id,
-            "point": {k: _value(arm.spec, k) for k in grid_keys},
+            "point": {k: spec_value(arm.spec, k) for k in grid_keys},
             "runs": [r.id for r in arm.runs],
             "succeeded": len(arm.ok),
             "figures": {k: figure(arm, k) for k in POINT_FIGURES},

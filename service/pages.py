@@ -13,7 +13,6 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 
 from service import charts, comparison, server_metrics, store
-from service.api import MAX_COMPARED, split_ids
 from service.auth import COOKIE, is_admin, require_page_reader
 from service.deps import DB
 from service.metrics import Sample as SampleData
@@ -177,7 +176,7 @@ def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
     sweep = comparison.sweep_public(engine, sweep_id)
     keys = list(sweep.grid)
     runs_by_id = {r.id: r for r in sweep.runs}
-    rows = [({k: comparison._value(r.spec, k) for k in keys}, r) for r in sweep.runs]
+    rows = [({k: comparison.spec_value(r.spec, k) for k in keys}, r) for r in sweep.runs]
     points = sweep.points
     both_modes = len({p["point"].get("mode", "fill") for p in points}) > 1
     href = {p["arm"]: f"/groups/{p['arm']}" if p["arm"].startswith("g-") else f"/runs/{p['arm']}"
@@ -255,11 +254,11 @@ def group_page(request: Request, group_id: str, engine: DB) -> HTMLResponse:
 @router.get("/compare", response_class=HTMLResponse)
 def compare_page(
     request: Request, engine: DB,
-    ids: Annotated[list[str] | None, Query(max_length=MAX_COMPARED)] = None,
+    ids: Annotated[list[str] | None, Query(max_length=comparison.MAX_COMPARED)] = None,
 ) -> HTMLResponse:
     """Chosen runs or groups against the first: distributions, each metric's change with
     its interval and a verdict."""
-    chosen = split_ids(ids or [])[:MAX_COMPARED]
+    chosen = comparison.split_ids(ids or [])[:comparison.MAX_COMPARED]
     if len(chosen) < 2:
         return templates.TemplateResponse(request, "compare.html", {"result": None, "chosen": chosen,
                                                                     "charts": []})

@@ -60,36 +60,40 @@ class Interval:
         return [self.lo, self.hi]
 
 
+# Bins of the sorted pooled values (below) and the most cells of the group-by-bin table.
+MAX_BINS = 2048
+MAX_TABLE = 4_000_000
+
+
 class _PooledQuantile:
     """The ``q`` quantile (numpy's linear interpolation) of the values of the groups drawn
     in a resample, each value counted as often as its group was drawn: what
     ``np.quantile`` of the concatenated drawn groups gives, without concatenating.
 
-    The values are sorted once; a resample's quantile is found from the running count of
-    drawn values. Only the values in a window around the groups' own ``q`` quantiles are
-    weighed per resample (a pooled CDF is a weighted mean of the groups' CDFs, so the
-    pooled quantile lies between the lowest and the highest group quantile, up to one
-    value of each group either side); resamples whose order statistics fall outside the
-    window, which the check below finds, are weighed over all values instead.
+    The pooled values are sorted once and cut into bins of consecutive positions, with a
+    table of how many values of each group fall in each bin. A resample's count per bin
+    is then one matrix product (draw counts x table), which finds the bin holding the
+    wanted order statistic; only that bin's values are weighed one by one. Exact, and
+    about bins + values-per-bin work per resample instead of every value.
     """
 
     def __init__(self, groups: Sequence[np.ndarray], q: float) -> None:
         self.q = q
         self.n_groups = len(groups)
-        self.sizes = np.array([g.size for g in groups], dtype=np.int64)
+        self.sizes = np.array([g.size for g in groups], dtype=np.float64)
         values = np.concatenate(groups)
-        owner = np.repeat(np.arange(self.n_groups), self.sizes)
+        owner = np.repeat(np.arange(self.n_groups), [g.size for g in groups])
         order = np.argsort(values, kind="stable")
         self.values, self.owner = values[order], owner[order]
-        near = []
-        for g in groups:
-            s = np.sort(g)
-            h = (s.size - 1) * q
-            near.append(s[max(0, math.floor(h) - 1)])
-            near.append(s[min(s.size - 1, math.ceil(h) + 1)])
-        self.start = int(np.searchsorted(self.values, min(near), side="left"))
-        self.end = int(np.searchsorted(self.values, max(near), side="right"))
-        self.below = np.bincount(self.owner[: self.start], minlength=self.n_groups)
+        n = values.size
+        n_bins = max(1, min(n, MAX_BINS, MAX_TABLE // self.n_groups))
+        self.starts = np.linspace(0, n, n_bins + 1).astype(np.int64)
+        lengths = np.diff(self.starts)
+        self.width = int(lengths.max())
+        bin_of = np.repeat(np.arange(n_bins), lengths)
+        self.table = np.bincount(self.owner * n_bins + bin_of,
+                                 minlength=self.n_groups * n_bins).reshape(self.n_groups, n_bins)
+        self.table = self.table.astype(np.float64)
 
     def value(self) -> float:
         return float(np.quantile(self.values, self.q))
@@ -100,34 +104,33 @@ class _PooledQuantile:
         rows = picked.shape[0]
         flat = (np.arange(rows)[:, None] * self.n_groups + picked).ravel()
         counts = np.bincount(flat, minlength=rows * self.n_groups).reshape(rows, self.n_groups)
+        counts = counts.astype(np.float64)
         total = counts @ self.sizes
         h = (total - 1) * self.q
-        k = np.floor(h).astype(np.int64)
+        k = np.floor(h)
         k_next = np.minimum(k + 1, total - 1)
-        below = counts @ self.below
-        inside = counts[:, self.owner[self.start : self.end]]
-        in_window = inside.sum(axis=1)
-        fits = (below <= k) & (below + in_window > k_next)
-        out = np.empty(rows)
-        if fits.any():
-            out[fits] = self._order_stats(
-                self.values[self.start : self.end], below[fits, None] + np.cumsum(inside[fits], axis=1),
-                k[fits], k_next[fits], h[fits])
-        if not fits.all():
-            rest = ~fits
-            everything = np.cumsum(counts[rest][:, self.owner], axis=1)
-            out[rest] = self._order_stats(self.values, everything, k[rest], k_next[rest], h[rest])
-        return out
-
-    @staticmethod
-    def _order_stats(values: np.ndarray, running: np.ndarray, k: np.ndarray, k_next: np.ndarray,
-                     h: np.ndarray) -> np.ndarray:
-        # The k-th smallest drawn value (from 0) is the first sorted value whose running
-        # count passes k; numpy's linear rule interpolates to the next one.
-        low = values[np.argmax(running > k[:, None], axis=1)]
-        high = values[np.argmax(running > k_next[:, None], axis=1)]
+        per_bin = counts @ self.table
+        running = np.cumsum(per_bin, axis=1)
+        low, high = self._order_stat(counts, per_bin, running, k), self._order_stat(
+            counts, per_bin, running, k_next)
         result: np.ndarray = low + (h - k) * (high - low)
         return result
+
+    def _order_stat(self, counts: np.ndarray, per_bin: np.ndarray, running: np.ndarray,
+                    k: np.ndarray) -> np.ndarray:
+        # The k-th smallest drawn value (from 0): the first position whose running count
+        # passes k, found first among the bins, then within the one bin.
+        rows = np.arange(counts.shape[0])
+        b = np.argmax(running > k[:, None], axis=1)
+        before = running[rows, b] - per_bin[rows, b]
+        start, end = self.starts[b], self.starts[b + 1]
+        position = start[:, None] + np.arange(self.width)[None, :]
+        inside = position < end[:, None]
+        position = np.minimum(position, self.values.size - 1)
+        weight = np.where(inside, counts[rows[:, None], self.owner[position]], 0.0)
+        at = np.argmax(before[:, None] + np.cumsum(weight, axis=1) > k[:, None], axis=1)
+        found: np.ndarray = self.values[position[rows, at]]
+        return found
 
 
 def _groups(groups: Sequence[Sequence[float] | np.ndarray]) -> list[np.ndarray]:

@@ -80,7 +80,9 @@ def test_page_renders_in_chromium_with_charts_and_no_console_output(
     assert (shots / f"{page}.png").stat().st_size > 10_000
 
 
-def test_sweep_with_repeats_draws_bands_and_shows_fill_verdicts(pages: dict[str, str], tmp_path: Path) -> None:
+def test_sweep_with_repeats_draws_bands_and_shows_fill_verdicts(
+    pages: dict[str, str], tmp_path: Path,
+) -> None:
     dom, _ = _browse(pages["sweep"], tmp_path / "profile", "--dump-dom")
     drawn = re.findall(r'<svg[^>]*class="chart"[^>]*>(.*?)</svg>', dom, flags=re.S)
     # The three TPOT charts: one band per line (concurrency x mode) and a bar per point, each

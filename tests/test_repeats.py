@@ -187,3 +187,14 @@ def test_regressions_list_points_that_got_significantly_worse(tmp_path: Path) ->
     assert worse["median_tpot_ms"]["ratio"] == pytest.approx(1.1, rel=0.03)
     assert worse["median_tpot_ms"]["ci"][0] > 1 and worse["median_tpot_ms"]["direction"] == "worse"
     assert found[0]["point"]["input_len"] == 64 and found[0]["baseline"] == slow_base
+
+
+def test_cancelling_a_group_cancels_its_unfinished_trials(client: TestClient) -> None:
+    run = client.post("/api/runs", json={**BASE, "num_prompts": 10_000, "repeats": 3}).json()
+    response = client.post(f"/api/groups/{run['group_id']}/cancel")
+    assert response.status_code == 200
+    trials = response.json()["runs"]
+    assert [wait_finished(client, r["id"])["status"] for r in trials] == ["cancelled"] * 3
+    again = client.post(f"/api/groups/{run['group_id']}/cancel")
+    assert again.status_code == 409 and "already finished" in again.text
+    assert client.post("/api/groups/r-nope/cancel").status_code == 404
