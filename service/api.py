@@ -270,7 +270,7 @@ def mark_baseline(run_id: str, engine: DB) -> dict[str, Any]:
 
 @router.delete("/api/runs/{run_id}/baseline", status_code=204, dependencies=ADMIN)
 def unmark_baseline(run_id: str, engine: DB) -> Response:
-    """Stop a run (or its group) being its point's baseline."""
+    """Stop a run (or its group) being its point's baseline; 409 when it is none."""
     comparison.unmark_baseline(engine, run_id)
     return Response(status_code=204)
 
@@ -278,11 +278,9 @@ def unmark_baseline(run_id: str, engine: DB) -> Response:
 @router.get("/api/runs/{run_id}/baseline", dependencies=READ)
 def against_baseline(run_id: str, engine: DB) -> dict[str, Any]:
     """A run's point against its baseline: per regression metric the ratio with its 95%
-    interval and verdict; 404 when its point has no baseline."""
+    interval and verdict; ``baseline`` null when its point has none."""
     found = comparison.against_baseline(engine, store.get_run(engine, run_id))
-    if found is None:
-        raise NotFound(f"the point of run {run_id} has no baseline")
-    return found
+    return found or {"baseline": None, "is_baseline": False, "changes": []}
 
 
 @router.get("/api/baselines", dependencies=READ)

@@ -302,12 +302,12 @@ def mark_baseline(engine: Engine, arm_or_run: str) -> dict[str, Any]:
 
 
 def unmark_baseline(engine: Engine, arm_or_run: str) -> None:
-    """Drop the baseline an arm is; NotFound when it is none."""
+    """Drop the baseline an arm is; Conflict when it is none."""
     arm = load_arm(engine, arm_or_run, whole_group=True)
     with write_session(engine) as session:
         row = session.get(Baseline, _point_of(arm.runs[0]))
         if row is None or row.arm != arm.id:
-            raise NotFound(f"{arm.id} is not a baseline")
+            raise Conflict(f"{arm.id} is not the baseline of its point; nothing to unmark")
         session.delete(row)
 
 

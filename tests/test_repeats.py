@@ -125,7 +125,7 @@ def test_compare_api_gives_intervals_and_verdicts(client: TestClient) -> None:
 def test_baseline_marks_a_point_and_later_runs_see_their_change(client: TestClient) -> None:
     queued = client.post("/api/runs", json=BASE).json()["id"]
     base = wait_finished(client, queued)["id"]
-    assert client.get(f"/api/runs/{base}/baseline").status_code == 404
+    assert client.get(f"/api/runs/{base}/baseline").json()["baseline"] is None
     marked = client.post(f"/api/runs/{base}/baseline")
     assert marked.status_code == 200 and marked.json()["arm"] == base
     assert client.get(f"/api/runs/{base}/baseline").json()["is_baseline"] is True
@@ -136,11 +136,13 @@ def test_baseline_marks_a_point_and_later_runs_see_their_change(client: TestClie
         "median_tpot_ms", "p99_tpot_ms", "decode_median_itl_ms", "median_ttft_ms"]
     assert "against the baseline" in client.get(f"/runs/{later}").text.lower()
     other = wait_finished(client, client.post("/api/runs", json={**BASE, "input_len": 9}).json()["id"])
-    assert client.get(f"/api/runs/{other['id']}/baseline").status_code == 404
+    assert client.get(f"/api/runs/{other['id']}/baseline").json()["baseline"] is None
     assert [b["arm"] for b in client.get("/api/baselines").json()] == [base]
-    assert client.delete(f"/api/runs/{later}/baseline").status_code == 404
+    wrong = client.delete(f"/api/runs/{later}/baseline")
+    assert wrong.status_code == 409 and "not the baseline" in wrong.text
     assert client.delete(f"/api/runs/{base}/baseline").status_code == 204
-    assert client.get(f"/api/runs/{later}/baseline").status_code == 404
+    assert client.get(f"/api/runs/{later}/baseline").json()["baseline"] is None
+    assert client.get("/api/runs/r-nope/baseline").status_code == 404
 
 
 def test_only_a_measured_run_can_be_a_baseline(client: TestClient) -> None:
