@@ -116,8 +116,10 @@ def reference_server(model_dir: Path, work: Path) -> Iterator[tuple[str, int]]:
     env = {**os.environ, **binding_env(1, os.environ)}
     log = work / "reference.log"
     with log.open("wb") as out:
+        # A process group of its own in this process's session, as the service starts
+        # its workers next to its drivers (``service.procs``: the scheduler's autogroups).
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                process_group=0)
     try:
         _wait_http(proc, f"http://127.0.0.1:{port}/health", log)
         yield f"http://127.0.0.1:{port}", proc.pid

@@ -164,6 +164,9 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
 
 def main() -> None:
     """Entry point of ``python -m service.driver``."""
+    # A process group of its own, so a terminal's Ctrl-C reaches the service only (which
+    # then stops its drivers itself); not a session of its own (see ``service.procs``).
+    os.setpgrp()
     # The protocol owns the real stdout; anything else printed goes to stderr.
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -236,9 +239,8 @@ class DriverPool:
                 sys.executable, "-m", "service.driver",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
                 limit=LINE_LIMIT,
-                # Its own process group: a terminal's Ctrl-C reaches the service only,
-                # which then stops its drivers itself.
-                start_new_session=True,
+                # Its own process group (the driver makes it first thing: uvloop has no
+                # process_group), in the service's session: see ``service.procs``.
             )
         return proc, log_path
 

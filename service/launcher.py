@@ -1,9 +1,9 @@
 """vLLM worker processes: start, wait until healthy, stop, and clean up after a crash.
 
-Each worker is a child process group (``start_new_session``) so that stopping it
-reaches the engine core and worker processes vLLM spawns. Health is polled with a
-deadline while watching for early exit, and a failure carries the last lines of
-the worker's log file so the user sees why.
+Each worker leads a process group of its own (in the service's session: see
+``service.procs``) so that stopping it reaches the engine core and worker processes
+vLLM spawns. Health is polled with a deadline while watching for early exit, and a
+failure carries the last lines of the worker's log file so the user sees why.
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ class Launcher(RegisteredServers):
             stderr=subprocess.STDOUT,
             env=env,
             cwd=str(self.settings.data_dir),
-            start_new_session=True,
+            # Its own process group (stopped as one), in the service's session: see
+            # ``service.procs.SAME_SESSION``.
+            process_group=0,
         )
         assert process.stdout is not None
         copier = threading.Thread(
