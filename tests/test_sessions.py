@@ -1,0 +1,51 @@
+"""Workers and drivers stay in the service's session, each leading its own process group.
+
+With the kernel's session autogroups (``sched_autogroup_enabled``), a driver in a session
+of its own went unscheduled while the vLLM server's processes in another kept both
+cores busy, and its streams arrived in bursts (``service.procs``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from tests.conftest import wait_finished
+
+
+def _children_running(module: str) -> list[int]:
+    """Pids of this process's children whose command line runs ``python -m module``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and module.encode() in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def test_workers_and_drivers_share_the_services_session(client: TestClient) -> None:
+    run = wait_finished(client, client.post("/api/runs", json={"input_len": 16, "output_len": 4,
+                                                               "num_prompts": 2}).json()["id"])
+    assert run["status"] == "succeeded"
+    worker = client.get(f"/api/workers/{run['worker_id']}").json()
+    pid = worker["pid"]
+    assert os.getsid(pid) == os.getsid(0)
+    assert os.getpgid(pid) == pid != os.getpgid(0)
+    drivers = _children_running("service.driver")
+    assert drivers, "the service keeps a spare driver ready"
+    for driver in drivers:
+        assert os.getsid(driver) == os.getsid(0)
+        # A spare just spawned makes its group as its first act: give it a moment.
+        deadline = time.monotonic() + 10
+        while os.getpgid(driver) != driver and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.getpgid(driver) == driver
