@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -28,7 +29,10 @@ def test_sweep_makes_one_run_per_point_and_they_share_a_worker(client: TestClien
     again = client.get(f"/api/sweeps/{sweep['id']}").json()
     assert again["progress"]["finished"] == again["progress"]["succeeded"] == 8
     page = client.get(f"/sweeps/{sweep['id']}")
-    assert page.status_code == 200 and page.text.count("/runs/r-") == 8
+    assert page.status_code == 200
+    runs_table = page.text.split('id="points"')[1].split("</table>")[0]
+    assert runs_table.count('href="/runs/r-') == 8
+    assert set(re.findall(r"/runs/(r-[0-9a-f]+)", page.text)) == {r["id"] for r in done}
 
 
 @pytest.mark.parametrize(
