@@ -440,6 +440,6 @@ def group_view(engine: Engine, group_id: str) -> dict[str, Any]:
 def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
     """A sweep as the API returns it, with its points and fill against prefill."""
     sweep, runs = store.get_sweep(engine, sweep_id)
-    public = store.sweep_public(engine, sweep_id)
+    public = store.sweep_public(engine, sweep_id, (sweep, runs))
     public.points, public.fill_vs_prefill = sweep_points(engine, list(sweep.grid), runs)
     return public

@@ -411,9 +411,10 @@ def worker_by_token(engine: Engine, token: str) -> Worker | None:
     return worker
 
 
-def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
-    """A sweep with its runs and how far they got."""
-    sweep, runs = get_sweep(engine, sweep_id)
+def sweep_public(engine: Engine, sweep_id: str,
+                 loaded: tuple[Sweep, list[Run]] | None = None) -> SweepPublic:
+    """A sweep with its runs and how far they got (``loaded``: what ``get_sweep`` gave)."""
+    sweep, runs = loaded or get_sweep(engine, sweep_id)
     progress = {status.value: 0 for status in RunStatus}
     for run in runs:
         progress[run.status] += 1

@@ -9,27 +9,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 from fastapi.testclient import TestClient
 
 from tests.conftest import wait_finished
-
-
-def _children_running(module: str) -> list[int]:
-    """Pids of this process's children whose command line runs ``python -m module``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and module.encode() in cmdline:
-            out.append(int(entry.name))
-    return out
+from tests.service_process import driver_pids
 
 
 def test_workers_and_drivers_share_the_services_session(client: TestClient) -> None:
@@ -40,7 +24,7 @@ def test_workers_and_drivers_share_the_services_session(client: TestClient) -> N
     pid = worker["pid"]
     assert os.getsid(pid) == os.getsid(0)
     assert os.getpgid(pid) == pid != os.getpgid(0)
-    drivers = _children_running("service.driver")
+    drivers = driver_pids()
     assert drivers, "the service keeps a spare driver ready"
     for driver in drivers:
         assert os.getsid(driver) == os.getsid(0)
