@@ -4,24 +4,21 @@ and scheduler into a FastAPI app whose lifespan owns them."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from service import api, pages
 from service.db import make_engine
-from service.errors import error_body, install_error_handlers
+from service.errors import install_error_handlers
 from service.launcher import Launcher
+from service.limits import BodyLimit
 from service.scheduler import Scheduler
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 1 << 20
-
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service app for ``settings`` (read from the environment when omitted)."""
@@ -54,17 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limit_body(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse(
-                error_body(f"request body over {MAX_BODY_BYTES} bytes"), status_code=413
-            )
-        return await call_next(request)
-
+    app.add_middleware(BodyLimit)
     app.include_router(api.router)
     app.include_router(pages.login_router)
     app.include_router(pages.router)

@@ -87,10 +87,16 @@ def error_body(detail: Any) -> dict[str, Any]:
     return {"detail": detail}
 
 
+# Validation errors listed in one answer; a body with 80,000 unknown keys would
+# otherwise get 80,000 errors back (an answer many times the size of the request).
+MAX_ERRORS = 20
+
+
 def _json_safe(errors: Any) -> Any:
-    """Pydantic error lists can carry exception objects in ``ctx``; keep them printable."""
-    safe = []
-    for err in errors:
+    """Pydantic error lists can carry exception objects in ``ctx``; keep them printable.
+    At most ``MAX_ERRORS``, then one entry that says how many more there were."""
+    safe: list[dict[str, Any]] = []
+    for err in errors[:MAX_ERRORS]:
         err = dict(err)
         if "ctx" in err:
             err["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
@@ -98,9 +104,30 @@ def _json_safe(errors: Any) -> Any:
             # Echo what was sent as short text: it may not even be JSON (NaN, huge strings).
             text = repr(err["input"])
             err["input"] = text if len(text) <= 200 else text[:200] + "..."
+        if "loc" in err:
+            # A key can be as long as the body: echo each part of the path short too.
+            err["loc"] = [p if not isinstance(p, str) or len(p) <= 200 else p[:200] + "..."
+                          for p in err["loc"]]
         err.pop("url", None)
         safe.append(err)
+    if len(errors) > MAX_ERRORS:
+        safe.append({"type": "too_many_errors", "loc": [], "input": None,
+                     "msg": f"and {len(errors) - MAX_ERRORS} more errors not listed"})
     return safe
+
+
+def _unparsable_body(exc: BaseException | None) -> str | None:
+    """What made a JSON body unparsable, from the parser's own exception (FastAPI turns
+    every failure but a syntax error into one 400 "There was an error parsing the body")."""
+    if isinstance(exc, RecursionError):
+        return "the JSON body is nested too deeply to parse"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"the body is not UTF-8: byte {exc.start} is not ({exc.reason})"
+    if isinstance(exc, ValueError) and "digits" in str(exc):
+        return "the JSON body has a number with more digits than can be parsed (4300)"
+    if exc is not None:
+        return f"the JSON body could not be parsed: {type(exc).__name__}"
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -123,10 +150,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = dict(exc.headers or {})
+        detail = exc.detail
+        if exc.status_code == 400:
+            detail = _unparsable_body(exc.__cause__) or detail
         if exc.status_code == 405:
             # Every method the path answers to, not only those of the first route that matched.
             headers["Allow"] = ", ".join(_methods_for(request))
-        return JSONResponse(error_body(exc.detail), status_code=exc.status_code, headers=headers)
+        return JSONResponse(error_body(detail), status_code=exc.status_code, headers=headers)
 
 
 def _methods_for(request: Request) -> list[str]:

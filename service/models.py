@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from sqlalchemy import JSON, Column, Index
 from sqlmodel import Field as SQLField
 from sqlmodel import SQLModel
@@ -206,6 +215,23 @@ class StopSpec(Strict):
         return self
 
 
+# Validation context of specs read back from the database (``RunSpec.stored``).
+STORED = {"stored": True}
+
+
+def _is_stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("stored"))
+
+
+def describe(exc: ValidationError) -> str:
+    """A validation error in one line: each problem's place and message."""
+    return "; ".join(
+        ".".join(str(p) for p in e["loc"]) + ": " + str(e["msg"]).removeprefix("Value error, ")
+        if e["loc"] else str(e["msg"]).removeprefix("Value error, ")
+        for e in exc.errors()
+    )
+
+
 class RunSpec(Strict):
     """What one benchmark run measures; see DESIGN.md "RunSpec"."""
 
@@ -227,15 +253,24 @@ class RunSpec(Strict):
     ramp_up: RampUpSpec | None = None
     stop: StopSpec | None = None
 
+    @classmethod
+    def stored(cls, data: dict[str, Any]) -> RunSpec:
+        """A spec read back from the database: checked like a submitted one except
+        against the filesystem (a model directory that went away fails the run when its
+        worker starts, with that reason, instead of failing every read of the spec)."""
+        return cls.model_validate(data, context=STORED)
+
     @field_validator("model")
     @classmethod
-    def _model_name(cls, value: str) -> str:
+    def _model_name(cls, value: str, info: ValidationInfo) -> str:
         if value == TINY_MODEL_NAME:
             return value
         if value.startswith("/"):
             path = Path(value)
             if ".." in path.parts or any(c in value for c in "\0\n\r"):
                 raise ValueError("a local model path may not contain '..' or control characters")
+            if _is_stored(info):
+                return value
             if not (path / "config.json").is_file():
                 raise ValueError(f"no model directory with a config.json at {value!r}")
             return value
@@ -247,8 +282,8 @@ class RunSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _weights(self) -> RunSpec:
-        if (self.model.startswith("/") and self.engine.load_format == "auto"
+    def _weights(self, info: ValidationInfo) -> RunSpec:
+        if (self.model.startswith("/") and self.engine.load_format == "auto" and not _is_stored(info)
                 and not has_weight_files(Path(self.model))):
             raise ValueError(
                 f"the model directory {self.model!r} has no weight files "

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from service import store
@@ -35,7 +36,14 @@ from service.driver import DriverError, DriverPool, Drivers
 from service.handles import WorkerError, WorkerHandle
 from service.launcher import Launcher
 from service.metrics import Sample, run_warnings, summarize, summary_intervals
-from service.models import RunSpec, RunStatus, connector_totals, effective_load_format, utcnow
+from service.models import (
+    RunSpec,
+    RunStatus,
+    connector_totals,
+    describe,
+    effective_load_format,
+    utcnow,
+)
 from service.server_metrics import Point as ScrapedPoint
 from service.server_metrics import Scraper
 from service.settings import Settings
@@ -233,6 +241,12 @@ class Runner:
     async def _worker(self) -> WorkerHandle:
         if self.placement.reuse is not None:
             return self.placement.reuse
+        # A stored spec skipped the filesystem checks (``RunSpec.stored``): a model
+        # directory can have gone since the run was queued. Checked before any warm
+        # worker is stopped for this run.
+        problem = await asyncio.to_thread(spec_problem, self.spec)
+        if problem is not None:
+            raise RunFailed(problem)
         for handle in self.placement.evict:
             await self.launcher.stop(handle)
         handle = await self.launcher.start(self.spec, self.placement.gpus)
@@ -374,6 +388,15 @@ class Runner:
                         f"vLLM server stopped answering during the run ({checked} requests "
                         f"failed); last log lines:\n{tail}"
                     )
+
+
+def spec_problem(spec: RunSpec) -> str | None:
+    """Why ``spec`` would be refused if it were submitted now (None: it would not)."""
+    try:
+        RunSpec.model_validate(spec.model_dump())
+    except ValidationError as exc:
+        return f"the run's spec is no longer valid: {describe(exc)}"
+    return None
 
 
 def ensure_ended(engine: Engine, run_id: str) -> None:

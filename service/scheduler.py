@@ -19,13 +19,14 @@ import logging
 import time
 from collections.abc import Callable
 
+from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from service import store
 from service.driver import DriverPool
 from service.handles import WorkerHandle
 from service.launcher import Launcher
-from service.models import RunSpec, RunStatus
+from service.models import RunSpec, RunStatus, describe
 from service.placement import QueuedRow, WorkerRow, place
 from service.runner import Placement, Runner, ensure_ended
 from service.settings import Settings
@@ -174,7 +175,12 @@ class Scheduler:
         for run in store.queued(self.engine, limit=PLACE_AHEAD):
             if run.id in self._tasks:
                 continue  # placed already; its task has not moved it on yet
-            spec = specs[run.id] = RunSpec.model_validate(run.spec)
+            try:
+                spec = specs[run.id] = RunSpec.stored(run.spec)
+            except ValidationError as exc:
+                # One bad row must not hold up the queue: it fails, the others go on.
+                self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}")
+                continue
             queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size))
         workers = [self._row(h, stopping=False) for h in self.launcher.workers.values()]
         workers += [self._row(h, stopping=True) for h in self._stopping.values()]
@@ -182,9 +188,7 @@ class Scheduler:
         handles = {**self.launcher.workers, **self._stopping}
         for decision in place(queued, workers, starting, self.settings.gpu_ids()):
             if decision.fail is not None:
-                # Through ``starting``: the status machine has no queued -> failed edge.
-                store.transition(self.engine, decision.run_id, RunStatus.starting)
-                store.transition(self.engine, decision.run_id, RunStatus.failed, error=decision.fail)
+                self._fail_queued(decision.run_id, decision.fail)
                 continue
             placement = Placement(key=decision.key)
             if decision.reuse is not None:
@@ -201,6 +205,11 @@ class Scheduler:
             spec = specs[decision.run_id]
             task = asyncio.create_task(self._execute_placed(decision.run_id, spec, placement))
             self._tasks[decision.run_id] = task
+
+    def _fail_queued(self, run_id: str, error: str) -> None:
+        # Through ``starting``: the status machine has no queued -> failed edge.
+        store.transition(self.engine, run_id, RunStatus.starting)
+        store.transition(self.engine, run_id, RunStatus.failed, error=error)
 
     @staticmethod
     def _row(handle: WorkerHandle, stopping: bool) -> WorkerRow:
