@@ -13,7 +13,15 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 
 from service import charts, comparison, server_metrics, store
-from service.auth import COOKIE, is_admin, require_page_reader
+from service.auth import (
+    COOKIE,
+    LEGACY_COOKIE,
+    SESSION_MAX_AGE_S,
+    is_admin,
+    new_session,
+    require_page_reader,
+    session_state,
+)
 from service.deps import DB
 from service.metrics import Sample as SampleData
 from service.models import FINISHED, RunStatus, connector_totals, effective_load_format
@@ -22,7 +30,15 @@ from service.models import FINISHED, RunStatus, connector_totals, effective_load
 router = APIRouter(dependencies=[Depends(require_page_reader)], include_in_schema=False)
 # The login page itself is open.
 login_router = APIRouter(include_in_schema=False)
-templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+
+
+def _login_context(request: Request) -> dict[str, Any]:
+    # The header offers "log out" to a browser with a live session.
+    return {"logged_in": session_state(request) == "valid"}
+
+
+templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"),
+                            context_processors=[_login_context])
 
 PAGE_SIZE = 50
 
@@ -300,11 +316,31 @@ def login(
     token: Annotated[str, Form(max_length=512)],
     next: Annotated[str, Form(max_length=2000)] = "/",
 ) -> HTMLResponse | RedirectResponse:
-    """Check the API token and keep it in a same-site, HTTP-only cookie."""
+    """Check the API token and open a signed, expiring session (the cookie never holds the token)."""
     if not is_admin(request, token):
         return templates.TemplateResponse(
             request, "login.html", {"next": _safe_next(next), "error": "wrong token"}, status_code=401
         )
     response = RedirectResponse(_safe_next(next), status_code=303)
-    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", max_age=30 * 24 * 3600)
+    # SameSite=Strict keeps the cookie off cross-site requests: the CSRF defence of the
+    # mutating API calls the pages make with it.
+    response.set_cookie(COOKIE, new_session(request), max_age=SESSION_MAX_AGE_S, path="/",
+                        httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    if LEGACY_COOKIE in request.cookies:
+        _clear_cookie(request, response, LEGACY_COOKIE)
     return response
+
+
+@login_router.post("/logout")
+def logout(request: Request) -> RedirectResponse:
+    """End the browser's login session and go to the login page."""
+    response = RedirectResponse("/login", status_code=303)
+    _clear_cookie(request, response, COOKIE)
+    if LEGACY_COOKIE in request.cookies:
+        _clear_cookie(request, response, LEGACY_COOKIE)
+    return response
+
+
+def _clear_cookie(request: Request, response: RedirectResponse, name: str) -> None:
+    response.delete_cookie(name, path="/", httponly=True, samesite="strict",
+                           secure=request.url.scheme == "https")

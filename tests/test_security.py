@@ -17,7 +17,7 @@ from service.vllm_cli import worker_argv
 from tests.conftest import AUTH, make_client, wait_finished
 
 SMALL = {"input_len": 8, "output_len": 2, "num_prompts": 1}
-OPEN = {"/healthz", "/login", "/api/connector/fill", "/api/connector/report", "/openapi.json",
+OPEN = {"/healthz", "/login", "/logout", "/api/connector/fill", "/api/connector/report", "/openapi.json",
         "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
