@@ -8,10 +8,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from sqlalchemy import Engine, func, text
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from sqlalchemy import Engine, text
 from sqlmodel import Session, col, select
 
-from service import comparison, server_metrics, store
+from service import comparison, prom, server_metrics, store
 from service.auth import require_admin, require_reader, require_worker
 from service.deps import DB, Sched
 from service.errors import ERROR_RESPONSES, Conflict, Invalid, NotFound
@@ -37,6 +39,7 @@ from service.models import (
     WorkerRegister,
     WorkerRegistered,
     connector_totals,
+    describe,
     effective_load_format,
 )
 from service.vllm_cli import serve_command
@@ -350,7 +353,10 @@ def connector_fill(
     # The same answer whether the run does not exist or is another worker's.
     if run is None or run.worker_id != worker.id:
         raise NotFound(f"run {run_id!r} is not assigned to this worker")
-    spec = RunSpec.model_validate(run.spec)
+    try:
+        spec = RunSpec.stored(run.spec)
+    except ValidationError as exc:
+        raise Conflict(f"run {run_id!r} has a stored spec that no longer validates: {describe(exc)}") from exc
     store.record_pull(engine, run_id)
     return FillAnswer(run_id=run_id, mode=spec.mode, mean=spec.fill.mean, std=spec.fill.std)
 
@@ -382,29 +388,7 @@ def healthz(engine: DB, scheduler: Sched) -> JSONResponse:
 
 
 @router.get("/metrics", response_class=PlainTextResponse, dependencies=READ)
-def prometheus_metrics(engine: DB, scheduler: Sched) -> str:
+def prometheus_metrics(request: Request, engine: DB, scheduler: Sched) -> Response:
     """Prometheus metrics of the service."""
-    with Session(engine) as session:
-        by_status = dict(
-            session.exec(select(Run.status, func.count()).group_by(Run.status)).all()
-        )
-        workers = dict(
-            session.exec(select(Worker.status, func.count()).group_by(Worker.status)).all()
-        )
-        pulls = session.exec(select(func.coalesce(func.sum(Run.connector_pulls), 0))).one()
-    lines = [
-        "# HELP decodebench_runs Runs by status.",
-        "# TYPE decodebench_runs gauge",
-    ]
-    lines += [f'decodebench_runs{{status="{s.value}"}} {by_status.get(s.value, 0)}' for s in RunStatus]
-    lines += ["# HELP decodebench_workers Workers by status.", "# TYPE decodebench_workers gauge"]
-    lines += [f'decodebench_workers{{status="{s}"}} {n}' for s, n in sorted(workers.items())]
-    lines += [
-        "# HELP decodebench_connector_pulls_total Fill parameter pulls served to connectors.",
-        "# TYPE decodebench_connector_pulls_total counter",
-        f"decodebench_connector_pulls_total {pulls}",
-        "# HELP decodebench_scheduler_up 1 while the scheduler loop runs.",
-        "# TYPE decodebench_scheduler_up gauge",
-        f"decodebench_scheduler_up {int(scheduler.alive())}",
-    ]
-    return "\n".join(lines) + "\n"
+    registry = prom.app_registry(request.app.state, engine, scheduler)
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

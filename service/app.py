@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 
-from service import api, pages
+from service import api, pages, prom
 from service.db import make_engine
 from service.errors import install_error_handlers
 from service.launcher import Launcher
@@ -34,6 +34,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.settings = settings
         app.state.engine = engine
         app.state.scheduler = scheduler
+        app.state.prometheus = prom.make_registry(engine, scheduler)
         app.state.api_token = settings.resolve_api_token()
         scheduler.start()
         try:

@@ -120,7 +120,8 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
             await asyncio.sleep(BEAT_S)
             now, cpu_now = time.perf_counter(), time.process_time()
             emit({"kind": "beat", "t": now, "cpu": round((cpu_now - cpu_then) / (now - then), 4),
-                  "lag_ms": round(max(0.0, now - due) * 1000, 3)})
+                  "lag_ms": round(max(0.0, now - due) * 1000, 3),
+                  "open": generator.open, "last_data": generator.last_data})
             cpu_then, then = cpu_now, now
 
     beating = asyncio.create_task(beat())
@@ -325,6 +326,21 @@ class Drivers:
         self.stopped_rule: str | None = None
         # Measured requests the shards sent (known once they are done).
         self.sent = 0
+        # Per shard, from its latest beat: streams open, when any of them last got bytes,
+        # and the beat's time (``time.perf_counter``, one clock for every process here).
+        self.progress: dict[int, tuple[int, float, float]] = {}
+
+    def quiet(self) -> tuple[int, float] | None:
+        """Streams open over all shards, and for how long no stream of any shard is known
+        to have got bytes: from the last bytes any shard saw to the oldest of the shards'
+        latest beats (a shard may have had bytes since its beat, unknown yet). None
+        before every shard has beaten once."""
+        if len(self.progress) < len(self.configs):
+            return None
+        open_now = sum(n for n, _, _ in self.progress.values())
+        last_bytes = max(t for _, t, _ in self.progress.values())
+        known_until = min(beat for _, _, beat in self.progress.values())
+        return open_now, max(0.0, known_until - last_bytes)
 
     @classmethod
     def for_run(cls, run_id: str, spec: RunSpec, base_url: str, served_model: str,
@@ -386,6 +402,8 @@ class Drivers:
             elif kind == "beat" and "cpu" in message:
                 self.beats.append({"t": float(message["t"]), "cpu": float(message["cpu"]),
                                    "lag_ms": float(message["lag_ms"]), "shard": shard})
+                self.progress[shard] = (int(message["open"]), float(message["last_data"]),
+                                        float(message["t"]))
 
         try:
             for config in self.configs:

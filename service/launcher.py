@@ -77,6 +77,9 @@ class Launcher(RegisteredServers):
         cpu_binding: dict[str, Any] | None = None
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            # GPU ids are NVML's (and nvidia-smi's) numbers, in PCI bus order; CUDA's own
+            # default puts the fastest GPU first. A site that chose an order keeps it.
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         else:
             # The same thread layout whatever the worker loads: see service/cpu_binding.py.
             chosen = binding_env(spec.engine.tensor_parallel_size, os.environ)

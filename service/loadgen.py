@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 import numpy as np
@@ -188,6 +188,23 @@ def make_plan(spec: RunSpec | LoadShape, vocab_size: int | None) -> Plan:
     )
 
 
+def _sent_time_trace() -> aiohttp.TraceConfig:
+    """Stamps ``Sample.sent_time`` as each piece of a request is written: the last stamp
+    is when the request's last byte left, after its concurrency slot, its connection and
+    the encoding of its body (``start_time`` is taken before all three, as vLLM's client
+    takes it)."""
+
+    async def written(_session: aiohttp.ClientSession, context: Any, _params: Any) -> None:
+        sample = (context.trace_request_ctx or {}).get("sample")
+        if sample is not None:
+            sample.sent_time = time.perf_counter()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(written)
+    trace.on_request_chunk_sent.append(written)
+    return trace
+
+
 class LoadGenerator:
     """Drives requests of one run against one OpenAI-compatible server.
 
@@ -214,6 +231,10 @@ class LoadGenerator:
         # requests already sent are awaited and measured.
         self._stop: asyncio.Event | None = None
         self.sent = 0
+        # Progress, for hang detection (``service.runner``): streams open now, and when
+        # any stream last got bytes (``time.perf_counter``).
+        self.open = 0
+        self.last_data = time.perf_counter()
 
     @property
     def stopping(self) -> asyncio.Event:
@@ -233,6 +254,7 @@ class LoadGenerator:
             limit = self.max_concurrency or 0  # 0: no limit
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit),
+                trace_configs=[_sent_time_trace()],
                 # A stream that sends nothing for this long has hung.
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=30, sock_read=self.request_timeout_s
@@ -291,20 +313,21 @@ class LoadGenerator:
         text: list[str] = []
         start = time.perf_counter()
         sample.start_time = start
-        sample.sent_time = start
         last = start
         got_first = False
         buffer = b""
+        self.open += 1
         try:
             async with self.session.post(
-                self.url, data=self._body(plan, position), headers={"Content-Type": "application/json"}
+                self.url, data=self._body(plan, position), headers={"Content-Type": "application/json"},
+                trace_request_ctx={"sample": sample},
             ) as response:
                 if response.status != 200:
                     body = (await response.read()).decode("utf-8", errors="replace")
                     sample.error = f"HTTP {response.status}: {body[:500]}"
                     return sample
                 async for data in response.content.iter_any():
-                    now = time.perf_counter()
+                    now = self.last_data = time.perf_counter()
                     buffer += data
                     # Server-sent events end with a blank line; keep a partial one for later.
                     *events, buffer = buffer.split(b"\n\n")
@@ -337,6 +360,8 @@ class LoadGenerator:
                 sample.error = "no chunk with tokens was received"
         except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
             sample.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        finally:
+            self.open -= 1
         return sample
 
     async def _run_all(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,8 +45,8 @@ from service.models import (
     effective_load_format,
     utcnow,
 )
+from service.server_metrics import RUNNING, WAITING, Scraper
 from service.server_metrics import Point as ScrapedPoint
-from service.server_metrics import Scraper
 from service.settings import Settings
 from service.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
 from service.stopping import record as stop_record
@@ -66,6 +67,13 @@ REPORT_WAIT_S = 3.0
 # run, so it never takes more than a few percent of a core from the measurement).
 STOP_CHECK_S = 1.0
 STOP_CHECK_SHARE = 20
+# A stream may be silent for this many times the run's longest time to first token
+# before its worker counts as hung (``Settings.stall_s`` is the floor).
+STALL_TTFT_FACTOR = 3.0
+# Before a run's first token, a real prefill is allowed this slow (tokens per second): a
+# 131,072-token prompt gets 131 s. Far below any GPU's; about a 2-core CPU's for a 1B
+# model.
+SLOWEST_PREFILL_TOKENS_S = 1000.0
 
 
 @dataclass
@@ -106,6 +114,9 @@ class Runner:
         self.handle: WorkerHandle | None = None
         # ``Run.stopped_by`` once the sending stopped (see ``service.stopping``).
         self.stopped_by: dict[str, Any] | None = None
+        # The longest time to first token of the run so far (s): a prefill this long is
+        # not a hang (see ``_stalled``).
+        self._longest_ttft = 0.0
 
     # ------------------------------------------------------------ samples
 
@@ -284,6 +295,8 @@ class Runner:
             self.samples.append(sample)
             if not sample.success:
                 failures[0] += 1
+            elif sample.ttft > self._longest_ttft:
+                self._longest_ttft = sample.ttft
 
         # At the start and end always; during the run only when asked (``scrape_every_s``):
         # a scrape stalls every open stream of the server (see ``Settings``).
@@ -299,7 +312,7 @@ class Runner:
         if (first := await scraper.scrape()) is not None:
             on_point(first)
         measure = asyncio.create_task(drivers.run(on_sample))
-        watchdog = asyncio.create_task(self._watch(handle, failures))
+        watchdog = asyncio.create_task(self._watch(handle, failures, drivers))
         persister = asyncio.create_task(self._persist_every())
         scraping = asyncio.create_task(scraper.run(on_point))
         if not every_s:
@@ -361,9 +374,53 @@ class Runner:
             return False
         return response.status_code == 200
 
-    async def _watch(self, handle: WorkerHandle, failures: list[int]) -> WorkerError:
-        """Return (never raise) once the worker has died, or stopped answering after a failed
-        request; until then, watch."""
+    def stall_limit(self) -> float:
+        """Seconds without a byte on any open stream after which the worker has hung:
+        ``stall_s``, or more where a prefill may be that silent (one step of the engine
+        can hold a whole prompt's prefill, and every stream waits for it). That is
+        three times the run's longest time to first token so far; before the first, for
+        a real prefill, its longest prompt at ``SLOWEST_PREFILL_TOKENS_S``."""
+        if self._longest_ttft > 0:
+            return max(self.settings.stall_s, STALL_TTFT_FACTOR * self._longest_ttft)
+        if self.spec.mode == "prefill":
+            longest = math.floor(self.spec.input_len * (1 + self.spec.range_ratio))
+            return max(self.settings.stall_s, longest / SLOWEST_PREFILL_TOKENS_S)
+        return self.settings.stall_s
+
+    async def _stalled(self, handle: WorkerHandle, drivers: Drivers) -> WorkerError | None:
+        """A ``WorkerError`` when streams are open and none got a byte for ``stall_limit``
+        (the worker's /health may still answer: a stuck engine keeps its API server up)."""
+        progress = drivers.quiet()
+        if progress is None:
+            return None
+        open_now, quiet = progress
+        limit = self.stall_limit()
+        if open_now == 0 or quiet < limit:
+            return None
+        said = await self._engine_says(handle)
+        tail = handle.tail()
+        await self.launcher.stop(handle, status="failed",
+                                 error=f"hung: no token on any open stream for {quiet:.0f} s")
+        return WorkerError(
+            f"vLLM server hung: none of the {open_now} open streams got a token for {quiet:.0f} s "
+            f"(the limit: {limit:.0f} s; DECODEBENCH_STALL_S sets it, and it is more where a "
+            f"prefill may be that silent), while {said}; last log lines:\n{tail}"
+        )
+
+    async def _engine_says(self, handle: WorkerHandle) -> str:
+        """What the worker's /metrics says it is doing, in words for an error message."""
+        point = await Scraper(self.launcher.client, handle.url).scrape()
+        if point is None:
+            return "its /metrics did not answer"
+        running = point.values.get(RUNNING)
+        waiting = point.values.get(WAITING)
+        if running is None:
+            return "its /metrics did not say how many requests it runs"
+        return f"it reported {running:.0f} requests running and {waiting or 0:.0f} waiting"
+
+    async def _watch(self, handle: WorkerHandle, failures: list[int], drivers: Drivers) -> WorkerError:
+        """Return (never raise) once the worker has died, hung (``_stalled``), or stopped
+        answering after a failed request; until then, watch."""
         checked = 0
 
         def exited() -> WorkerError:
@@ -388,6 +445,8 @@ class Runner:
                         f"vLLM server stopped answering during the run ({checked} requests "
                         f"failed); last log lines:\n{tail}"
                     )
+            if (hung := await self._stalled(handle, drivers)) is not None:
+                return hung
 
 
 def spec_problem(spec: RunSpec) -> str | None:

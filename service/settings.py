@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shlex
 import sys
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
 
 
 class Settings(BaseSettings):
@@ -28,6 +31,8 @@ class Settings(BaseSettings):
     allow_open_bind: bool = False
     # Comma-separated GPU ids; None means "all visible", empty means none.
     gpus: str | None = None
+    # What NVML found, asked once: the scheduler wants the GPU ids on every pass.
+    _nvml_gpus: list[str] | None = PrivateAttr(default=None)
     vllm_command: str | None = None
     # URL the connector inside a worker uses to reach this service.
     control_url: str | None = None
@@ -38,6 +43,10 @@ class Settings(BaseSettings):
     # A load driver process that sends nothing (not even its heartbeat) for this long has
     # hung: its run fails.
     driver_hang_s: float = Field(default=15.0, gt=0)
+    # A worker whose open streams all got nothing for this long (or for three times the
+    # longest time to first token the run has seen, a long prefill's silence, if more)
+    # has hung: its run fails and it is stopped, whatever ``request_timeout_s`` says.
+    stall_s: float = Field(default=30.0, gt=0)
     scheduler_poll_s: float = Field(default=0.5, gt=0)
     # The worker's /metrics is read at a run's start and end, and with a value above 0 also
     # this often during it. 0 by default: vLLM renders /metrics on the event loop that
@@ -86,13 +95,16 @@ class Settings(BaseSettings):
         return f"http://{host}:{self.port}"
 
     def gpu_ids(self) -> list[str]:
-        """GPU ids workers may be placed on; empty on a CPU machine."""
+        """GPU ids workers may be placed on: the setting, else the service's own
+        ``CUDA_VISIBLE_DEVICES``, else every GPU NVML sees; empty on a CPU machine."""
         if self.gpus is not None:
             return [g.strip() for g in self.gpus.split(",") if g.strip()]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is not None:
             return [g.strip() for g in visible.split(",") if g.strip()]
-        return _detect_gpus()
+        if self._nvml_gpus is None:
+            self._nvml_gpus = _detect_gpus()
+        return list(self._nvml_gpus)
 
     def resolve_api_token(self) -> str:
         """The API token: the setting, else the one stored in the data dir (made on first start)."""
@@ -110,11 +122,30 @@ class Settings(BaseSettings):
 
 
 def _detect_gpus() -> list[str]:
-    """GPU indices from the NVIDIA driver's device nodes, without importing torch."""
-    dev = Path("/dev")
-    ids = sorted(
-        int(p.name[len("nvidia"):])
-        for p in dev.glob("nvidia[0-9]*")
-        if p.name[len("nvidia"):].isdigit()
-    )
-    return [str(i) for i in ids]
+    """GPU indices as NVML numbers them, which is PCI bus order (``nvidia-smi``'s, and CUDA's
+    with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``); none when NVML or the driver is missing."""
+    # NVML and not /dev/nvidia*: device node numbers are the host's, so a container given
+    # GPU 3 alone sees /dev/nvidia3 while CUDA inside it calls that GPU 0.
+    try:
+        import pynvml
+    except ImportError:
+        log.info("no GPUs: nvidia-ml-py is not installed")
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        # libnvidia-ml missing (a CPU machine) or no driver loaded.
+        log.info("no GPUs: NVML did not start (%s)", exc)
+        return []
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError as exc:
+        log.warning("no GPUs: NVML started but could not count them (%s)", exc)
+        count = 0
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            log.debug("NVML shutdown failed: %s", exc)
+    log.info("NVML sees %d GPU(s)", count)
+    return [str(i) for i in range(count)]

@@ -8,7 +8,9 @@ the real vLLM server is used where the connector and the metrics are.
 Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers;
 ``inf`` never), ``STUB_EXIT_AT_START`` (exit code, before serving),
 ``STUB_CRASH_AFTER`` (the process dies in the middle of that request's stream),
-``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, /health hangs too),
+``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, /health hangs too,
+unless ``STUB_HANG_HEALTHY`` is set: then it answers, as a stuck engine's API server does),
+``STUB_FIRST_TOKEN_S`` (each stream is silent this long before its first token, a prefill),
 ``STUB_IGNORE_SIGTERM`` (only SIGKILL stops it), ``STUB_GRANDCHILD`` (spawns a
 long-lived grandchild in its process group; its pid goes to /stub/requests),
 ``STUB_BUNCHED`` (each stream is made at the usual pace but sent in one write at its
@@ -108,12 +110,14 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     bunched = bool(os.environ.get("STUB_BUNCHED"))
     crash_after = int(os.environ.get("STUB_CRASH_AFTER", "0"))
     hang_after = int(os.environ.get("STUB_HANG_AFTER_TOKENS", "0"))
+    hang_healthy = bool(os.environ.get("STUB_HANG_HEALTHY"))
+    first_token_s = float(os.environ.get("STUB_FIRST_TOKEN_S", "0"))
     if os.environ.get("STUB_GRANDCHILD"):
         state["grandchild"] = subprocess.Popen(["sleep", "3600"]).pid
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if state["hung"]:
+        if state["hung"] and not hang_healthy:
             await asyncio.sleep(3600)
         if time.monotonic() - started < startup_delay:
             return JSONResponse({"status": "starting"}, status_code=503)
@@ -176,6 +180,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                         state["waiting"] -= 1
                 if run_id:
                     await connector.admitted(run_id)
+                await asyncio.sleep(first_token_s)  # a prefill's silence
                 for i in range(n_out):
                     if crash_after and number >= crash_after and i == n_out // 2:
                         print("stub: crashing mid-stream as told", flush=True)

@@ -224,10 +224,20 @@ def test_client_side_queueing_is_recorded(client: TestClient) -> None:
     run = client.post("/api/runs", json=spec).json()
     assert wait_finished(client, run["id"])["status"] == "succeeded"
     samples = sorted(client.get(f"/api/runs/{run['id']}/requests").json(), key=lambda s: s["index"])
-    waits = [s["sent_time"] - s["due_time"] for s in samples]
+    waits = [s["start_time"] - s["due_time"] for s in samples]
     assert all(w >= 0 for w in waits)
     assert waits[-1] > waits[0] + 0.05  # the queue builds up
     dues = [s["due_time"] for s in samples]
     assert dues == sorted(dues) and dues[-1] > dues[0]
     export = client.get(f"/api/runs/{run['id']}/export?format=vllm").json()
     assert export["queue_times"] == pytest.approx(waits)
+
+
+def test_sent_time_is_when_the_last_byte_of_the_request_left(client: TestClient) -> None:
+    # Prompts of 40,000 tokens go out as a stream of blocks: the request leaves after its
+    # slot, its connection and its body's encoding, before its first token comes back.
+    spec = {"input_len": 40_000, "output_len": 2, "num_prompts": 3, "max_concurrency": 1}
+    run = client.post("/api/runs", json=spec).json()
+    assert wait_finished(client, run["id"])["status"] == "succeeded"
+    for s in client.get(f"/api/runs/{run['id']}/requests").json():
+        assert s["start_time"] < s["sent_time"] <= s["start_time"] + s["ttft"], s

@@ -89,6 +89,40 @@ def test_worker_that_hangs_fails_the_run_and_is_replaced(faulty: Any,
     assert again["status"] == "succeeded" and again["worker_id"] != done["worker_id"]
 
 
+def test_worker_that_hangs_with_a_live_health_fails_within_the_stall_limit(
+        faulty: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # /health answers and the request timeout is the default 600 s: only the streams'
+    # silence shows the hang.
+    client = faulty({"STUB_HANG_AFTER_TOKENS": "3", "STUB_HANG_HEALTHY": "1"}, stall_s=2)
+    run = client.post("/api/runs", json=SMALL).json()
+    started = time.monotonic()
+    done = wait_finished(client, run["id"], timeout=60)
+    elapsed = time.monotonic() - started
+    assert done["status"] == "failed"
+    assert "vLLM server hung: none of the" in done["error"], done["error"]
+    assert "requests running" in done["error"] and "stub: hanging as told" in done["error"]
+    assert elapsed < 15, elapsed
+    worker = client.get(f"/api/workers/{done['worker_id']}").json()
+    assert worker["status"] == "failed" and "hung" in worker["error"]
+    monkeypatch.delenv("STUB_HANG_AFTER_TOKENS")
+    again = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    assert again["status"] == "succeeded" and again["worker_id"] != done["worker_id"]
+
+
+def test_a_long_silent_prefill_is_not_a_hang(faulty: Any) -> None:
+    # Every stream is silent 1.5 s before its first token, three times the stall floor:
+    # a real prefill of 2,000 tokens is allowed 2 s before the first token, and three
+    # times the longest time to first token after it.
+    client = faulty({"STUB_FIRST_TOKEN_S": "1.5"}, stall_s=0.5)
+    spec = {**SMALL, "input_len": 2000, "num_prompts": 4, "max_concurrency": 1, "mode": "prefill"}
+    done = wait_finished(client, client.post("/api/runs", json=spec).json()["id"], timeout=60)
+    assert done["status"] == "succeeded", done["error"]
+    # The same silence in a fill run, which has no prefill to wait for, is a hang.
+    fill = wait_finished(client, client.post("/api/runs", json={**spec, "mode": "fill"}).json()["id"],
+                         timeout=60)
+    assert fill["status"] == "failed" and "vLLM server hung" in fill["error"], fill["error"]
+
+
 def test_cancel_of_a_queued_run_is_immediate_and_others_go_on(faulty: Any) -> None:
     client = faulty({"STUB_TOKEN_INTERVAL_S": "0.02"})
     first = client.post("/api/runs", json={**SMALL, "output_len": 20}).json()
