@@ -31,9 +31,12 @@ $(VENV)/.installed-dev: pyproject.toml
 browser:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
-# Debian's docker-compose: tests/test_compose.py checks docker/compose.yaml with it (no Docker engine needed).
+# What tests/test_compose.py checks docker/compose.yaml with, no Docker engine needed: the
+# Compose Specification's JSON schema (the dev extra's check-jsonschema ships a copy) and a compose CLI for
+# `config` (the `docker compose` plugin where there is one, else Debian's docker-compose).
 compose-tool:
-	@command -v docker-compose >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q docker-compose; }
+	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null 2>&1 || \
+		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q docker-compose; }
 
 run: setup
 	$(PY) -m service

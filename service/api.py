@@ -313,7 +313,7 @@ async def register_worker(body: WorkerRegister, request: Request, scheduler: Sch
     """Register a vLLM server started elsewhere; the answer holds its worker token and the
     exact ``vllm serve`` line to start it with (shown once)."""
     settings = request.app.state.settings
-    worker, token = scheduler.launcher.register(body)
+    worker, token = await scheduler.launcher.register(body)
     control_url = body.control_url or settings.control_base_url()
     command, config = serve_command(body, control_url, token)
     scheduler.probe_now()
@@ -335,7 +335,7 @@ def get_worker(worker_id: str, engine: DB) -> WorkerPublic:
 async def remove_worker(worker_id: str, scheduler: Sched) -> Response:
     """Remove a registered server: no more runs go to it and its token stops working;
     409 while it serves a run."""
-    scheduler.launcher.deregister(worker_id)
+    await scheduler.launcher.deregister(worker_id)
     return Response(status_code=204)
 
 

@@ -3,15 +3,18 @@ and scheduler into a FastAPI app whose lifespan owns them."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 import httpx
 from fastapi import FastAPI
 
-from service import api, pages, prom
-from service.db import make_engine
+from service import api, openapi_links, pages, prom
+from service.db import LOOP_EXECUTOR_THREADS, THREADPOOL_THREADS, make_engine
 from service.errors import install_error_handlers
 from service.launcher import Launcher
 from service.limits import BodyLimit
@@ -26,6 +29,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Where database work runs (one rule): sync routes in FastAPI's threadpool, the
+        # rest through ``asyncio.to_thread``; never on the event loop. The database pool
+        # has a connection for each of these threads (``service.db.POOL_SIZE``).
+        anyio.to_thread.current_default_thread_limiter().total_tokens = THREADPOOL_THREADS
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(LOOP_EXECUTOR_THREADS, thread_name_prefix="decodebench-io"))
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         engine = make_engine(settings.db_path)
         client = httpx.AsyncClient()
@@ -36,7 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.scheduler = scheduler
         app.state.prometheus = prom.make_registry(engine, scheduler)
         app.state.api_token = settings.resolve_api_token()
-        scheduler.start()
+        await scheduler.start()
         try:
             yield
         finally:
@@ -56,4 +65,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api.router)
     app.include_router(pages.login_router)
     app.include_router(pages.router)
+    openapi_links.install(app)
     return app

@@ -85,7 +85,7 @@ class Launcher(RegisteredServers):
             chosen = binding_env(spec.engine.tensor_parallel_size, os.environ)
             env.update(chosen)
             cpu_binding = {"env": chosen}
-        store.add_worker(self.engine, Worker(
+        await asyncio.to_thread(store.add_worker, self.engine, Worker(
             id=worker_id,
             key=spec.worker_key(),
             model=spec.model,
@@ -117,7 +117,7 @@ class Launcher(RegisteredServers):
             daemon=True,
         )
         copier.start()
-        store.update_worker(self.engine, worker_id, pid=process.pid)
+        await asyncio.to_thread(store.update_worker, self.engine, worker_id, pid=process.pid)
         handle = WorkerHandle(
             id=worker_id,
             key=spec.worker_key(),
@@ -144,8 +144,8 @@ class Launcher(RegisteredServers):
             # What vLLM made of the variables, as its worker logged it while starting.
             cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
             handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
-        store.update_worker(self.engine, worker_id, status="ready", ready_at=utcnow(),
-                            kv_tokens=handle.kv_tokens, cpu_binding=cpu_binding)
+        await asyncio.to_thread(store.update_worker, self.engine, worker_id, status="ready",
+                                ready_at=utcnow(), kv_tokens=handle.kv_tokens, cpu_binding=cpu_binding)
         # Ready only now, with no await before the caller takes it for its run: a ready
         # worker that is not busy is idle to placement, which would give it to a queued
         # run of the same kind while the run it was started for is still waiting for it.
@@ -178,12 +178,13 @@ class Launcher(RegisteredServers):
         """Stop the worker's whole process group: SIGTERM, then SIGKILL after the grace period.
         A registered server is not ours to stop: it is marked unavailable until it answers again."""
         if handle.process is None:
-            self.set_unavailable(handle, error or status)
+            await self.set_unavailable(handle, error or status)
             return
         self.workers.pop(handle.id, None)
         self.tokens.pop(handle.id, None)
         await asyncio.to_thread(stop_process_group, handle.process, self.settings.worker_stop_grace_s)
-        store.update_worker(self.engine, handle.id, status=status, stopped_at=utcnow(), error=error)
+        await asyncio.to_thread(store.update_worker, self.engine, handle.id, status=status,
+                                stopped_at=utcnow(), error=error)
         log.info("worker %s %s", handle.id, status)
 
     async def stop_all(self) -> None:
@@ -192,18 +193,23 @@ class Launcher(RegisteredServers):
             if not handle.external:
                 await self.stop(handle)
 
-    def mark_dead(self, handle: WorkerHandle, error: str) -> None:
+    async def mark_dead(self, handle: WorkerHandle, error: str) -> None:
         """Record that a worker died on its own; its group is still stopped."""
         if handle.process is None:
-            self.set_unavailable(handle, error)
+            await self.set_unavailable(handle, error)
             return
         self.workers.pop(handle.id, None)
         self.tokens.pop(handle.id, None)
-        stop_process_group(handle.process, 0)
-        store.update_worker(self.engine, handle.id, status="failed", stopped_at=utcnow(), error=error)
+
+        def bury(process: subprocess.Popen[bytes]) -> None:
+            stop_process_group(process, 0)
+            store.update_worker(self.engine, handle.id, status="failed", stopped_at=utcnow(), error=error)
+
+        await asyncio.to_thread(bury, handle.process)
 
     def reap_orphans(self) -> int:
-        """After a crash: stop process groups of workers a previous service left behind."""
+        """After a crash: stop process groups of workers a previous service left behind.
+        Blocking (database and process work): call it from a thread."""
         stopped = 0
         for worker in store.local_workers_alive(self.engine):
             if worker.pid is not None and is_our_worker(worker.pid, worker.id):

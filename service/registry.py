@@ -3,6 +3,7 @@ health probes, and when they may take runs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -36,15 +37,20 @@ class RegisteredServers:
     client: httpx.AsyncClient
     workers: dict[str, WorkerHandle]
 
-    def register(self, body: WorkerRegister) -> tuple[Worker, str]:
+    def _check_url_free(self, url: str) -> None:
+        for handle in self.workers.values():
+            if handle.external and handle.url == url:
+                raise Conflict(f"a server at {url} is registered already as {handle.id}")
+
+    async def register(self, body: WorkerRegister) -> tuple[Worker, str]:
         """Record a vLLM server started elsewhere; it takes runs once its probes pass.
         Returns its row and its worker token (the only time the token is seen)."""
-        for handle in self.workers.values():
-            if handle.external and handle.url == body.url:
-                raise Conflict(f"a server at {body.url} is registered already as {handle.id}")
+        self._check_url_free(body.url)
         token = body.token or secrets.token_urlsafe(32)
-        if store.worker_by_token(self.engine, token) is not None:
+        if await asyncio.to_thread(store.worker_by_token, self.engine, token) is not None:
             raise Conflict("that token is already in use by another worker; choose another")
+        # Another registration of the same URL may have got in while the lookup ran.
+        self._check_url_free(body.url)
         parts = urlsplit(body.url)
         worker = Worker(
             id=new_id("w"),
@@ -60,8 +66,13 @@ class RegisteredServers:
             vocab_size=body.vocab_size or (VOCAB_SIZE if body.model == TINY_MODEL_NAME else None),
             error="registered; waiting for the server to answer /health",
         )
-        store.add_worker(self.engine, worker)
+        # Placed before the write, so that no second registration of the URL gets in.
         self.workers[worker.id] = self._registered_handle(worker)
+        try:
+            await asyncio.to_thread(store.add_worker, self.engine, worker)
+        except BaseException:
+            self.workers.pop(worker.id, None)
+            raise
         log.info("registered worker %s at %s for %s", worker.id, worker.url, worker.model)
         return worker, token
 
@@ -72,18 +83,18 @@ class RegisteredServers:
             vocab_size=worker.vocab_size, kv_tokens=worker.kv_tokens,
         )
 
-    def load_registered(self) -> int:
+    async def load_registered(self) -> int:
         """On start: take back the registered servers, unavailable until a probe passes."""
-        rows = store.take_back_registered(self.engine)
+        rows = await asyncio.to_thread(store.take_back_registered, self.engine)
         for worker in rows:
             self.workers[worker.id] = self._registered_handle(worker)
         return len(rows)
 
-    def deregister(self, worker_id: str) -> None:
+    async def deregister(self, worker_id: str) -> None:
         """Forget a registered server: it takes no more runs and its token stops working."""
         handle = self.workers.get(worker_id)
         if handle is None:
-            row = store.get_worker(self.engine, worker_id)
+            row = await asyncio.to_thread(store.get_worker, self.engine, worker_id)
             if row is None or not row.external or row.status == "removed":
                 raise NotFound(f"no registered worker {worker_id!r}")
             raise Conflict(f"worker {worker_id} is not registered any more")
@@ -95,14 +106,16 @@ class RegisteredServers:
         if handle.busy_run is not None:
             raise Conflict(f"worker {worker_id} is serving run {handle.busy_run}; cancel that run first")
         del self.workers[worker_id]
-        store.update_worker(self.engine, worker_id, status="removed", stopped_at=utcnow(), error=None)
+        await asyncio.to_thread(store.update_worker, self.engine, worker_id, status="removed",
+                                stopped_at=utcnow(), error=None)
         log.info("removed registered worker %s", worker_id)
 
-    def set_unavailable(self, handle: WorkerHandle, error: str) -> None:
+    async def set_unavailable(self, handle: WorkerHandle, error: str) -> None:
         """A registered server stopped answering: no runs go to it until a probe passes."""
         handle.ready = False
         if handle.id in self.workers:
-            store.update_worker(self.engine, handle.id, status="unavailable", error=error)
+            await asyncio.to_thread(store.update_worker, self.engine, handle.id, status="unavailable",
+                                    error=error)
 
     async def probe(self, handle: WorkerHandle) -> bool:
         """Check that a registered server answers and serves its model; mark it ready or
@@ -128,13 +141,13 @@ class RegisteredServers:
             if handle.ready or handle.last_problem != problem:
                 log.warning("worker %s unavailable: %s", handle.id, problem)
                 handle.last_problem = problem
-                self.set_unavailable(handle, problem)
+                await self.set_unavailable(handle, problem)
             return False
         handle.last_problem = None
         if handle.ready:
             if time.monotonic() - handle.seen_written > LAST_SEEN_EVERY_S:
                 handle.seen_written = time.monotonic()
-                store.update_worker(self.engine, handle.id, last_seen_at=now)
+                await asyncio.to_thread(store.update_worker, self.engine, handle.id, last_seen_at=now)
             return False
         if handle.kv_tokens is None:
             handle.kv_tokens = await kv_capacity(self.client, handle.url)
@@ -142,8 +155,8 @@ class RegisteredServers:
                 return False
         handle.ready = True
         handle.seen_written = time.monotonic()
-        store.update_worker(self.engine, handle.id, status="ready", ready_at=now, last_seen_at=now,
-                            error=None, kv_tokens=handle.kv_tokens)
+        await asyncio.to_thread(store.update_worker, self.engine, handle.id, status="ready",
+                                ready_at=now, last_seen_at=now, error=None, kv_tokens=handle.kv_tokens)
         log.info("worker %s at %s answers; ready", handle.id, handle.url)
         return True
 

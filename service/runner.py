@@ -110,6 +110,7 @@ class Runner:
         # The worker's /metrics during the run, ``t`` on the samples' clock (perf_counter).
         self.points: list[Point] = []
         self._saved_points = 0
+        self._persisting = asyncio.Lock()
         self.beats: list[dict[str, float]] = []
         self.handle: WorkerHandle | None = None
         # ``Run.stopped_by`` once the sending stopped (see ``service.stopping``).
@@ -120,24 +121,31 @@ class Runner:
 
     # ------------------------------------------------------------ samples
 
-    def persist(self) -> None:
-        """Save the samples not saved yet and the progress counts."""
-        new = self.samples[self._saved:]
-        if new:
-            store.save_samples(self.engine, self.run_id, new)
+    async def persist(self) -> None:
+        """Save the samples not saved yet and the progress counts (in a thread: database
+        work never runs on the event loop). One save at a time."""
+        async with self._persisting:
+            new = self.samples[self._saved:]
+            points = self.points[self._saved_points:]
+            ok = sum(s.success for s in self.samples)
+            failed = len(self.samples) - ok
+
+            def save() -> None:
+                if new:
+                    store.save_samples(self.engine, self.run_id, new)
+                if points:
+                    store.save_server_points(self.engine, self.run_id, points)
+                store.update_fields(self.engine, self.run_id, completed=ok, failed=failed)
+
+            await asyncio.to_thread(save)
             self._saved += len(new)
-        points = self.points[self._saved_points:]
-        if points:
-            store.save_server_points(self.engine, self.run_id, points)
             self._saved_points += len(points)
-        ok = sum(s.success for s in self.samples)
-        store.update_fields(self.engine, self.run_id, completed=ok, failed=len(self.samples) - ok)
 
     async def _persist_every(self) -> None:
         while True:
             await asyncio.sleep(PERSIST_EVERY_S)
             try:
-                self.persist()
+                await self.persist()
             except Exception:
                 # A locked or full database must not end the measurement; the next
                 # batch (or the run's end) tries again.
@@ -152,9 +160,9 @@ class Runner:
         if reuse is not None and reuse.external and not await self._healthy(reuse):
             # A registered server can go away between two probes: the run stays queued
             # for the next server that answers instead of failing on this one.
-            self.launcher.set_unavailable(reuse, "did not answer /health as a run was about to start")
+            await self.launcher.set_unavailable(reuse, "did not answer /health as a run was about to start")
             return
-        if not store.transition(self.engine, self.run_id, RunStatus.starting):
+        if not await asyncio.to_thread(store.transition, self.engine, self.run_id, RunStatus.starting):
             return
         try:
             await self._run()
@@ -172,17 +180,18 @@ class Runner:
 
     async def _run(self) -> None:
         handle = self.handle = await self._worker()
-        store.count_worker_run(self.engine, handle.id)
+        await asyncio.to_thread(store.count_worker_run, self.engine, handle.id)
         # The worker id goes in before the first request: the connector's
         # pull is only answered for runs assigned to the asking worker.
-        store.update_fields(self.engine, self.run_id, worker_id=handle.id,
-                            cpu_binding=handle.cpu_binding)
+        await asyncio.to_thread(store.update_fields, self.engine, self.run_id, worker_id=handle.id,
+                                cpu_binding=handle.cpu_binding)
         spec = self.spec
         batch = asked_concurrency(spec.max_concurrency, spec.prompt_budget(), spec.request_rate)
         reason = infeasible(batch or 1, spec.longest_request_tokens(), handle.kv_tokens)
         if reason is not None:
             raise RunFailed(reason)
-        if not store.transition(self.engine, self.run_id, RunStatus.running, started_at=utcnow()):
+        if not await asyncio.to_thread(store.transition, self.engine, self.run_id, RunStatus.running,
+                                       started_at=utcnow()):
             return
         duration, sent, rule = await self._measure(handle)
         # The interval over every answered request (the rule was checked on fewer).
@@ -192,7 +201,7 @@ class Runner:
         self.stopped_by = stop_record(rule, spec, sent, interval)
         if not handle.alive():
             tail = handle.tail()
-            self.launcher.mark_dead(handle, "exited during a run")
+            await self.launcher.mark_dead(handle, "exited during a run")
             raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
         samples = self.samples
         summary = summarize(samples, duration, self.spec.goodput.model_dump(exclude_none=True))
@@ -239,7 +248,7 @@ class Runner:
         deadline = time.monotonic() + REPORT_WAIT_S
         tp = self.spec.engine.tensor_parallel_size
         while True:
-            run = store.get_run(self.engine, self.run_id)
+            run = await asyncio.to_thread(store.get_run, self.engine, self.run_id)
             totals = connector_totals((run.connector or {}).get("ranks", {}))
             complete = totals["requests_seen"] >= answered and (
                 totals["filled_requests"] == 0
@@ -354,10 +363,11 @@ class Runner:
                 counts["total"] = len(self.samples)
         for attempt in range(END_TRIES):
             try:
-                self.persist()
+                await self.persist()
                 if status is not None:
                     extra = {"error": error} if error else {}
-                    store.transition(self.engine, self.run_id, status, **counts, **extra, **fields)
+                    await asyncio.to_thread(store.transition, self.engine, self.run_id, status,
+                                            **counts, **extra, **fields)
                 return
             except Exception:
                 log.exception("run %s: writing its end state failed (try %d of %d)",
@@ -423,22 +433,22 @@ class Runner:
         answering after a failed request; until then, watch."""
         checked = 0
 
-        def exited() -> WorkerError:
+        async def exited() -> WorkerError:
             tail = handle.tail()
-            self.launcher.mark_dead(handle, "exited during a run")
+            await self.launcher.mark_dead(handle, "exited during a run")
             return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
 
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
             if not handle.alive():
-                return exited()
+                return await exited()
             if failures[0] > checked:
                 checked = failures[0]
                 if not await self._healthy(handle):
                     # A dying server refuses connections a moment before it is reaped.
                     await asyncio.sleep(WATCH_EVERY_S)
                     if not handle.alive():
-                        return exited()
+                        return await exited()
                     tail = handle.tail()
                     await self.launcher.stop(handle, status="failed", error="stopped answering")
                     return WorkerError(

@@ -58,29 +58,29 @@ class Scheduler:
         self.drivers = DriverPool(settings.logs_dir)
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def recover(self) -> None:
+    async def recover(self) -> None:
         """Fail runs interrupted by a previous crash, stop its orphaned workers, and take
         back the registered servers (unavailable until probed)."""
-        failed = store.fail_interrupted(self.engine)
-        orphans = self.launcher.reap_orphans()
+        failed = await asyncio.to_thread(store.fail_interrupted, self.engine)
+        orphans = await asyncio.to_thread(self.launcher.reap_orphans)
         if failed or orphans:
             log.warning("recovered: %d interrupted runs failed, %d orphaned workers stopped",
                         failed, orphans)
-        registered = self.launcher.load_registered()
+        registered = await self.launcher.load_registered()
         if registered:
             log.info("%d registered workers to probe", registered)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Recover, then start the loop and the registered servers' prober as tasks."""
-        self.recover()
+        await self.recover()
         self._loop = asyncio.get_running_loop()
         self.drivers.start()
         self.loop_task = asyncio.create_task(self.run_forever(), name="decodebench-scheduler")
         self.probe_task = asyncio.create_task(self.probe_forever(), name="decodebench-prober")
 
     def probe_now(self) -> None:
-        """Probe the registered servers at once (one was just registered)."""
-        self._probe_wakeup.set()
+        """Probe the registered servers at once (one was just registered). From any thread."""
+        self._on_loop(self._probe_wakeup.set)
 
     async def probe_forever(self) -> None:
         """Probe every registered server every ``worker_probe_s``; wake the loop when one
@@ -160,35 +160,36 @@ class Scheduler:
         while True:
             self._wakeup.clear()
             try:
-                self._place_queued()
+                await self._place_queued()
             except Exception:
                 # The loop must outlive any one bad pass (a database hiccup, a bad row).
                 log.exception("scheduler pass failed; trying again")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), self.settings.scheduler_poll_s)
 
-    def _place_queued(self) -> None:
+    async def _place_queued(self) -> None:
         """One pass: start every queued run that fits, oldest first."""
-        self._reap_dead_workers()
+        await self._reap_dead_workers()
         queued: list[QueuedRow] = []
         specs: dict[str, RunSpec] = {}
-        for run in store.queued(self.engine, limit=PLACE_AHEAD):
+        for run in await asyncio.to_thread(store.queued, self.engine, limit=PLACE_AHEAD):
             if run.id in self._tasks:
                 continue  # placed already; its task has not moved it on yet
             try:
                 spec = specs[run.id] = RunSpec.stored(run.spec)
             except ValidationError as exc:
                 # One bad row must not hold up the queue: it fails, the others go on.
-                self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}")
+                await self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}")
                 continue
             queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size))
         workers = [self._row(h, stopping=False) for h in self.launcher.workers.values()]
         workers += [self._row(h, stopping=True) for h in self._stopping.values()]
         starting = [(p.key, p.gpus) for p in self._starting.values()]
         handles = {**self.launcher.workers, **self._stopping}
+        failed: list[tuple[str, str]] = []
         for decision in place(queued, workers, starting, self.settings.gpu_ids()):
             if decision.fail is not None:
-                self._fail_queued(decision.run_id, decision.fail)
+                failed.append((decision.run_id, decision.fail))
                 continue
             placement = Placement(key=decision.key)
             if decision.reuse is not None:
@@ -205,11 +206,18 @@ class Scheduler:
             spec = specs[decision.run_id]
             task = asyncio.create_task(self._execute_placed(decision.run_id, spec, placement))
             self._tasks[decision.run_id] = task
+        # After the placements: no await may come between a decision and its task, or the
+        # state the decision was made on could change under it.
+        for run_id, error in failed:
+            await self._fail_queued(run_id, error)
 
-    def _fail_queued(self, run_id: str, error: str) -> None:
-        # Through ``starting``: the status machine has no queued -> failed edge.
-        store.transition(self.engine, run_id, RunStatus.starting)
-        store.transition(self.engine, run_id, RunStatus.failed, error=error)
+    async def _fail_queued(self, run_id: str, error: str) -> None:
+        def fail() -> None:
+            # Through ``starting``: the status machine has no queued -> failed edge.
+            store.transition(self.engine, run_id, RunStatus.starting)
+            store.transition(self.engine, run_id, RunStatus.failed, error=error)
+
+        await asyncio.to_thread(fail)
 
     @staticmethod
     def _row(handle: WorkerHandle, stopping: bool) -> WorkerRow:
@@ -219,10 +227,10 @@ class Scheduler:
             last_used=handle.last_used, stopping=stopping,
         )
 
-    def _reap_dead_workers(self) -> None:
+    async def _reap_dead_workers(self) -> None:
         for handle in list(self.launcher.workers.values()):
             if handle.process is not None and not handle.alive() and handle.busy_run is None:
-                self.launcher.mark_dead(
+                await self.launcher.mark_dead(
                     handle, f"exited with code {handle.process.returncode}; "
                     f"last log lines:\n{handle.tail()}"
                 )
@@ -253,7 +261,7 @@ class Scheduler:
                 if handle.busy_run == run_id:
                     handle.busy_run = None
                     handle.last_used = time.monotonic()
-            ensure_ended(self.engine, run_id)
+            await asyncio.to_thread(ensure_ended, self.engine, run_id)
             self._tasks.pop(run_id, None)
             self._cancelled.discard(run_id)
             self.notify()

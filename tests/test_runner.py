@@ -37,8 +37,10 @@ def test_an_older_database_with_duplicate_samples_gets_the_unique_index(tmp_path
     run, _ = store.create_run(engine, RunSpec(num_prompts=2))
     store.save_samples(engine, run.id, [_sample(0), _sample(1)])
     engine.dispose()
-    # What a service before the index could leave: the index gone, a sample stored twice.
+    # What a service before the index could leave: the index gone, a sample stored twice
+    # (and, before schema migrations, no Alembic revision).
     with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE alembic_version")
         conn.execute("DROP INDEX uq_sample_run_index")
         conn.execute("INSERT INTO sample (run_id, \"index\", prompt_len, output_tokens, ttft, itl, latency,"
                      " start_time, success, error, generated_text) SELECT run_id, \"index\", prompt_len,"
