@@ -6,6 +6,8 @@ flags requests the schema allows and the service refuses, and the service must
 refuse some of those by design (an Idempotency-Key reused with another body is a
 422, the issue's contract; a prompt plus output longer than the model is a 422).
 
+The stateful phase chains calls through the OpenAPI links (``service/openapi_links.py``).
+
 Registering a worker is left out: a valid registration makes the service probe the
 URL it names, and tests send traffic to loopback only. Its validation has its own
 tests (tests/test_external_workers.py).
@@ -42,5 +44,8 @@ def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(tmp_path:
     generated = re.search(r"(\d+) generated, (\d+) passed", out)
     assert generated is not None, out[-2000:]
     assert generated.group(1) == generated.group(2) and int(generated.group(1)) > 1000
+    # The stateful phase follows the schema's links (a new run's id to its routes, a
+    # sweep's id to its view, a trial's group id to its group): it must have run.
+    assert re.search(r"✅ Stateful", out), out[-2000:]
     tested = re.search(r"Tested: (\d+)", out)
     assert tested is not None and int(tested.group(1)) >= 15  # every API operation but one
