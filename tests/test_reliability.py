@@ -123,6 +123,30 @@ def test_a_long_silent_prefill_is_not_a_hang(faulty: Any) -> None:
     assert fill["status"] == "failed" and "vLLM server hung" in fill["error"], fill["error"]
 
 
+def test_cancel_while_the_worker_starts_leaves_no_process(faulty: Any) -> None:
+    # The worker answers /health only after 3 s: the cancel lands while it starts.
+    client = faulty({"STUB_STARTUP_DELAY_S": "3"})
+    run = client.post("/api/runs", json=SMALL).json()
+    worker = None
+    deadline = time.monotonic() + 30
+    while worker is None and time.monotonic() < deadline:
+        workers = client.get("/api/workers").json()
+        worker = workers[0] if workers and workers[0]["pid"] else None
+        time.sleep(0.05)
+    assert worker is not None, "no worker was started"
+    assert client.post(f"/api/runs/{run['id']}/cancel").status_code == 200
+    assert wait_finished(client, run["id"])["status"] == "cancelled"
+    deadline = time.monotonic() + 20
+    while pid_alive(worker["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(worker["pid"]), "the starting worker was left running"
+    deadline = time.monotonic() + 10  # the row is written once the group has stopped
+    while (stopped := client.get(f"/api/workers/{worker['id']}").json())["status"] == "starting" \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stopped["status"] == "failed" and stopped["error"] == "start interrupted"
+
+
 def test_cancel_of_a_queued_run_is_immediate_and_others_go_on(faulty: Any) -> None:
     client = faulty({"STUB_TOKEN_INTERVAL_S": "0.02"})
     first = client.post("/api/runs", json={**SMALL, "output_len": 20}).json()
