@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
+# This checkout installed editable. setuptools adds a notice to every editable install
+# ("be careful with folders named like the package"); pip shows it as a warning. It is
+# the point here (the service and its workers run this checkout), so that one is off.
+EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) install --quiet -e
 # GPU extra when an NVIDIA driver answers, CPU extra otherwise.
 EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
@@ -15,7 +19,7 @@ setup: $(VENV)/.installed-$(EXTRA)
 $(VENV)/.installed-$(EXTRA): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[$(EXTRA)]'
+	$(EDITABLE) '.[$(EXTRA)]'
 	@# vLLM CPU pulls these in; next to the CPU torch they break transformers.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
@@ -23,7 +27,7 @@ $(VENV)/.installed-$(EXTRA): pyproject.toml
 setup-dev: setup $(VENV)/.installed-dev
 
 $(VENV)/.installed-dev: pyproject.toml
-	$(PIP) install --quiet -e '.[$(EXTRA),dev]'
+	$(EDITABLE) '.[$(EXTRA),dev]'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 

@@ -8,6 +8,10 @@ service reads the run's counters when its last request is done). Counters are
 cumulative per (run, role, rank), so a lost or repeated report does no harm; a
 run's last ``note`` (why a request was not treated as its mode says) rides along
 as ``error``.
+
+The server's provenance (``connector.provenance``), given once at the start, goes to
+``POST {control_url}/api/connector/provenance`` from the same thread, retried until the
+service has it (a refusal, 4xx, is not retried: the next report would be refused too).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import threading
 import urllib.error
 import urllib.request
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,9 @@ class Reporter:
         interval_s: float = 1.0,
     ) -> None:
         self.url = f"{control_url.rstrip('/')}/api/connector/report" if control_url else None
+        self.provenance_url = (f"{control_url.rstrip('/')}/api/connector/provenance"
+                               if control_url else None)
+        self._provenance: dict[str, Any] | None = None
         self.token = token or ""
         self.role = role
         self.rank = rank
@@ -73,6 +81,13 @@ class Reporter:
             self._counters.setdefault(run_id, {})
         self._start()
 
+    def provenance(self, report: dict[str, Any]) -> None:
+        """Send the server's provenance (once it is through; see the module docstring)."""
+        with self._lock:
+            self._provenance = report
+        self._start()
+        self.soon()
+
     def soon(self) -> None:
         """Send the counters shortly instead of at the next interval."""
         self._wake.set()
@@ -98,30 +113,55 @@ class Reporter:
                 return
             self.flush()
 
+    def _post(self, url: str, payload: dict[str, Any]) -> None:
+        request = urllib.request.Request(
+            url,
+            data=json.dumps(payload).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            resp.read()
+
+    def _flush_provenance(self) -> bool:
+        with self._lock:
+            report = self._provenance
+        if report is None or self.provenance_url is None:
+            return True
+        try:
+            self._post(self.provenance_url, report)
+        except urllib.error.HTTPError as exc:
+            if 400 <= exc.code < 500:
+                log.warning("the service refused this server's provenance: %s", exc)
+                with self._lock:
+                    self._provenance = None
+                return True
+            return False
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        with self._lock:
+            if self._provenance is report:
+                self._provenance = None
+        return True
+
     def flush(self) -> bool:
-        """Send the counters of runs that changed; True if nothing is left to send."""
+        """Send the provenance if it is not through yet and the counters of runs that
+        changed; True if nothing is left to send."""
         if self.url is None:
             return True
+        sent_provenance = self._flush_provenance()
         with self._lock:
             if not self._dirty:
-                return True
+                return sent_provenance
             runs: dict[str, dict[str, float | str]] = {}
             for run_id in self._dirty:
                 runs[run_id] = dict(self._counters[run_id])
                 if run_id in self._notes:
                     runs[run_id]["error"] = self._notes[run_id]
             self._dirty.clear()
-        body = json.dumps({"role": self.role, "rank": self.rank, "runs": runs}).encode()
-        request = urllib.request.Request(
-            self.url,
-            data=body,
-            method="POST",
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
-        )
         try:
-            with urllib.request.urlopen(request, timeout=5) as resp:
-                resp.read()
-            return True
+            self._post(self.url, {"role": self.role, "rank": self.rank, "runs": runs})
+            return sent_provenance
         except (urllib.error.URLError, OSError, ValueError) as exc:
             if not self._warned:
                 log.warning("could not report connector counters to %s: %s", self.url, exc)

@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
 
 from connector.metadata import FillConnectorMetadata
 from connector.params import DEFAULT_ATTEMPT_TIMEOUT_S, DEFAULT_DEADLINE_S, FillParams, ParamsClient
+from connector.provenance import build as build_provenance
 from connector.report import Reporter
 
 if TYPE_CHECKING:
@@ -84,6 +85,12 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
             role="scheduler",
             rank=0,
         )
+        try:
+            self.reporter.provenance(build_provenance(
+                vllm_config, kv_cache_config, config.get_from_extra_config("worker_token", None)))
+        except Exception:
+            # What the server is must never stop it from serving: the runs then say unknown.
+            log.exception("could not describe this server for the decodebench service")
         # Parameters decided for a request, from its first look until it finishes.
         self._decided: dict[str, FillParams] = {}
         # Tokens this side claimed for a request on its last look.

@@ -6,6 +6,7 @@ import faulthandler
 import gc
 import logging
 import signal
+import socket
 import sys
 
 import uvicorn
@@ -25,6 +26,46 @@ def refuse_open_bind(settings: Settings) -> str | None:
             "whose port is published on loopback only, DECODEBENCH_ALLOW_OPEN_BIND=1)."
         )
     return None
+
+
+def ready_banner(settings: Settings) -> str:
+    """What the service prints once it listens: where to go, where the token is (never the
+    token itself) and the pages to open."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    base = f"http://{f'[{host}]' if ':' in host else host}:{settings.port}"
+    token = ("the one in DECODEBENCH_API_TOKEN" if settings.api_token
+             else f"in {(settings.data_dir / 'api-token').resolve()}")
+    pages = [
+        ("/", "runs, sweeps and vLLM servers; submit a run"),
+        ("/runs/<id>", "one run: its numbers, plots and warnings"),
+        ("/sweeps/<id>", "one sweep: every point, plots, fill against prefill"),
+        ("/compare?ids=<id>,<id>", "runs or groups side by side"),
+        ("/docs", "the REST API (OpenAPI), try calls from the browser"),
+    ]
+    width = max(len(base + path) for path, _ in pages)
+    lines = [
+        f"decodebench is ready on {base}/",
+        f"  API token: {token}",
+        "    (API calls send it as 'Authorization: Bearer <token>'; pages ask for it once)",
+        "  pages:",
+        *(f"    {(base + path).ljust(width)}  {what}" for path, what in pages),
+        "  stop with Ctrl+C",
+    ]
+    return "\n".join(lines)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, printing ``banner`` once it listens: after uvicorn's own lines, so
+    a start ends with where to go."""
+
+    def __init__(self, config: uvicorn.Config, banner: str) -> None:
+        super().__init__(config)
+        self.banner = banner
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(self.banner, file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -49,7 +90,11 @@ def main() -> None:
     # collector's full passes, which would otherwise stall the load generator mid-run.
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    server = Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info"),
+                    ready_banner(settings))
+    server.run()
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the server did not start (the port taken, say)
 
 
 if __name__ == "__main__":

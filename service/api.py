@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -13,10 +14,10 @@ from pydantic import ValidationError
 from sqlalchemy import Engine, text
 from sqlmodel import Session, col, select
 
-from service import comparison, prom, server_metrics, store
+from service import comparison, hub, prom, provenance, server_metrics, store
 from service.auth import require_admin, require_reader, require_worker
 from service.deps import DB, Sched
-from service.errors import ERROR_RESPONSES, Conflict, Invalid, NotFound
+from service.errors import ERROR_RESPONSES, Conflict, ErrorBody, Invalid, NotFound
 from service.metrics import export_vllm, is_bunched
 from service.models import (
     FINISHED,
@@ -33,8 +34,11 @@ from service.models import (
     ServerMetricsSummary,
     ServerPointPublic,
     SweepCreate,
+    SweepList,
     SweepPublic,
+    SweepSummary,
     Worker,
+    WorkerProvenance,
     WorkerPublic,
     WorkerRegister,
     WorkerRegistered,
@@ -55,11 +59,13 @@ READ = [Depends(require_reader)]
 )
 def submit_run(
     spec: RunSpec,
+    request: Request,
     engine: DB,
     scheduler: Sched,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> Any:
     """Queue a benchmark run."""
+    _check_model(request, engine, spec.model)
     run, created = store.create_run(engine, spec, idempotency_key)
     if created:
         scheduler.notify()
@@ -80,10 +86,36 @@ def list_runs(
     return RunList(runs=[RunPublic.of(r) for r in runs], total=total, limit=limit, offset=offset)
 
 
+def _check_model(request: Request, engine: Engine, model: str) -> None:
+    """A 422 now for a model no worker could load (``service.hub``), rather than a failed
+    run once a worker was started for it; a model a registered server serves is its own."""
+    if any(w.external and w.model == model for w in store.active_workers(engine)):
+        return
+    problem = hub.model_problem(model, request.app.state.settings.hub_check)
+    if problem is not None:
+        raise Invalid(problem)
+
+
 @router.get("/api/runs/{run_id}", response_model=RunPublic, dependencies=READ)
 def get_run(run_id: str, engine: DB) -> RunPublic:
     """One run: spec, status, progress, summary, error."""
     return RunPublic.of(store.get_run(engine, run_id))
+
+
+@router.delete(
+    "/api/runs/{run_id}", status_code=204, dependencies=ADMIN,
+    responses={204: {"description": "Deleted, with its samples"},
+               409: {"model": ErrorBody, "description": "The run has not finished: cancel it first"}},
+)
+def delete_run(run_id: str, engine: DB, scheduler: Sched) -> Response:
+    """Delete a finished run with its samples, server metrics and baseline mark; 409 while
+    it is queued, starting or running (cancel it first)."""
+    run = store.get_run(engine, run_id)
+    if run.status in FINISHED and scheduler.handling(run_id):
+        raise Conflict(f"run {run_id} is {run.status} but still saving what it measured; "
+                       "delete it in a moment")
+    store.delete_run(engine, run_id)
+    return Response(status_code=204)
 
 
 @router.post("/api/runs/{run_id}/cancel", response_model=RunPublic, dependencies=ADMIN)
@@ -127,6 +159,8 @@ def _server_points(engine: Engine, run_id: str) -> list[server_metrics.Point]:
 CSV_FIELDS = [
     "index", "prompt_len", "output_tokens", "success", "ttft", "tpot", "latency",
     "start_time", "due_time", "sent_time", "itl_count", "itl", "bunched", "error",
+    # Last, so that columns read by position keep theirs: "fill" or "prefill".
+    "mode",
 ]
 
 
@@ -146,10 +180,12 @@ def export_run(
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
         writer.writeheader()
+        mode = run.spec.get("mode", "fill")
         for s in samples:
             tpot = (s.latency - s.ttft) / (s.output_tokens - 1) if s.success and s.output_tokens > 1 else ""
             writer.writerow({
-                "index": s.index, "prompt_len": s.prompt_len, "output_tokens": s.output_tokens,
+                "index": s.index, "mode": mode, "prompt_len": s.prompt_len,
+                "output_tokens": s.output_tokens,
                 "success": s.success, "ttft": s.ttft, "tpot": tpot, "latency": s.latency,
                 "start_time": s.start_time, "due_time": s.due_time, "sent_time": s.sent_time,
                 "itl_count": len(s.itl), "itl": " ".join(f"{x:.6f}" for x in s.itl),
@@ -171,9 +207,12 @@ def export_run(
         "max_concurrency": spec["max_concurrency"],
         "date": (run.started_at or run.created_at).strftime("%Y%m%d-%H%M%S"),
         "label": run.id,
-        # vLLM's result file keeps free keys (--metadata); ours go in one block.
-        "metadata": {**_ramp_up_keys(spec.get("ramp_up")), "decodebench": {
+        # vLLM's result file keeps free keys (--metadata): the headline of the run's
+        # provenance as strings, as --metadata writes them; the rest in one block.
+        "metadata": {**_ramp_up_keys(spec.get("ramp_up")), **provenance.export_keys(run.provenance, spec),
+                     "decodebench": {
             "mode": spec["mode"], "fill": spec["fill"], "warnings": run.warnings or [],
+            "provenance": run.provenance,
             "load_format": effective_load_format(
                 spec["model"], spec["engine"].get("load_format", "auto")),
             "cpu_binding": run.cpu_binding, "stopped_by": run.stopped_by,
@@ -200,11 +239,31 @@ def _ramp_up_keys(ramp_up: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @router.post("/api/sweeps", status_code=201, response_model=SweepPublic, dependencies=ADMIN)
-def submit_sweep(body: SweepCreate, engine: DB, scheduler: Sched) -> SweepPublic:
+def submit_sweep(body: SweepCreate, request: Request, engine: DB, scheduler: Sched) -> SweepPublic:
     """Queue one run per point of a grid over a base spec."""
+    _check_model(request, engine, body.base.model)
     sweep = store.create_sweep(engine, body)
     scheduler.notify()
     return comparison.sweep_public(engine, sweep.id)
+
+
+@router.get("/api/sweeps", response_model=SweepList, dependencies=READ)
+def list_sweeps(
+    engine: DB,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> SweepList:
+    """List sweeps, newest first: what each varies, its points and its runs by status."""
+    page, total = store.sweep_page(engine, limit, offset)
+    sweeps = []
+    for sweep, counts in page:
+        points = math.prod(len(values) for values in sweep.grid.values())
+        sweeps.append(SweepSummary(
+            id=sweep.id, created_at=sweep.created_at, model=str(sweep.base.get("model", "")),
+            grid_keys=list(sweep.grid), points=points, runs=sum(counts.values()),
+            repeats=int(sweep.base.get("repeats", 1)), status=counts,
+        ))
+    return SweepList(sweeps=sweeps, total=total, limit=limit, offset=offset)
 
 
 @router.get("/api/sweeps/{sweep_id}", response_model=SweepPublic, dependencies=READ)
@@ -212,6 +271,28 @@ def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
     """A sweep: its grid, progress and runs; its points (trials grouped) with each figure's
     95% interval; with a grid over ``mode``, fill against real prefill per point."""
     return comparison.sweep_public(engine, sweep_id)
+
+
+@router.get(
+    "/api/sweeps/{sweep_id}/export", response_model=None, dependencies=READ,
+    responses={200: {"description": "the sweep's points as CSV, or as JSON {sweep, columns, rows}",
+                     "content": {"text/csv": {}, "application/json": {}}}},
+)
+def export_sweep(
+    sweep_id: str, engine: DB, format: Literal["csv", "json"] = "csv"
+) -> JSONResponse | Response:
+    """The sweep's points as one table, one row per point with each figure's 95% interval: CSV or JSON."""
+    columns, rows = comparison.sweep_table(comparison.sweep_public(engine, sweep_id))
+    name = f"decodebench-{sweep_id}"
+    if format == "json":
+        return JSONResponse({"sweep": sweep_id, "columns": columns, "rows": rows},
+                            headers={"Content-Disposition": f'inline; filename="{name}.json"'})
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    return Response(out.getvalue(), media_type="text/csv",
+                    headers={"Content-Disposition": f'attachment; filename="{name}.csv"'})
 
 
 @router.post("/api/sweeps/{sweep_id}/baseline", dependencies=ADMIN)
@@ -369,6 +450,18 @@ def connector_report(
 ) -> Response:
     """Cumulative fill counters from a worker's connector, per run it served."""
     store.record_report(engine, worker.id, f"{report.role}:{report.rank}", report.counters())
+    return Response(status_code=204)
+
+
+@router.post("/api/connector/provenance", status_code=204)
+def connector_provenance(
+    report: WorkerProvenance,
+    engine: DB,
+    worker: Annotated[Worker, Depends(require_worker)],
+) -> Response:
+    """What a worker's connector found about its server at start: versions, resolved engine
+    settings, KV cache, hardware, command line; every run on it records this."""
+    store.record_worker_provenance(engine, worker.id, report.model_dump())
     return Response(status_code=204)
 
 

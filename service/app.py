@@ -13,7 +13,7 @@ import anyio.to_thread
 import httpx
 from fastapi import FastAPI
 
-from service import api, openapi_links, pages, prom
+from service import api, openapi_links, pages, prom, provenance
 from service.db import LOOP_EXECUTOR_THREADS, THREADPOOL_THREADS, make_engine
 from service.errors import install_error_handlers
 from service.launcher import Launcher
@@ -36,6 +36,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(LOOP_EXECUTOR_THREADS, thread_name_prefix="decodebench-io"))
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        # Read once (a git call): every run records it.
+        await asyncio.to_thread(provenance.service_facts)
         engine = make_engine(settings.db_path)
         client = httpx.AsyncClient()
         launcher = Launcher(settings, engine, client)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import difflib
+import types
+from typing import Annotated, Any, Union, get_args, get_origin
 from urllib.parse import urlencode
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, params
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
@@ -78,6 +80,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "No such run, sweep or worker run"},
     409: {"model": ErrorBody, "description": "Conflicts with the current state"},
     413: {"model": ErrorBody, "description": "Request body too large"},
+    415: {"model": ErrorBody, "description": "A body that is not sent as JSON"},
     422: {"model": ErrorBody, "description": "Invalid input"},
 }
 
@@ -144,8 +147,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(exc.detail), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(_json_safe(exc.errors())), status_code=422)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        body_model = _json_body_model(request)
+        errors = exc.errors()
+        if body_model is not None and (problem := _not_sent_as_json(request, errors)) is not None:
+            return JSONResponse(error_body(problem), status_code=415)
+        if body_model is not None:
+            # Only those listed (``MAX_ERRORS``): a body can carry thousands of unknown keys.
+            errors = [_suggest_field(err, body_model) for err in errors[:MAX_ERRORS]] + list(
+                errors[MAX_ERRORS:])
+        return JSONResponse(error_body(_json_safe(errors)), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -157,6 +168,85 @@ def install_error_handlers(app: FastAPI) -> None:
             # Every method the path answers to, not only those of the first route that matched.
             headers["Allow"] = ", ".join(_methods_for(request))
         return JSONResponse(error_body(detail), status_code=exc.status_code, headers=headers)
+
+
+# Errors FastAPI gives for a JSON route whose body it did not parse as JSON: it reads a body
+# sent as text/plain, a form or with no Content-Type as bytes, which no model accepts.
+_NOT_JSON_ERRORS = {"model_attributes_type", "dict_type", "list_type", "missing"}
+SEND_JSON = "send the body as JSON with Content-Type: application/json"
+
+
+def _json_body_model(request: Request) -> Any:
+    """The type a route's JSON body is validated as, or None (no body, or a form)."""
+    route = request.scope.get("route")
+    field = getattr(route, "body_field", None)
+    if field is None or isinstance(field.field_info, params.Form):
+        return None
+    return field.field_info.annotation
+
+
+def _not_sent_as_json(request: Request, errors: Any) -> str | None:
+    """Why a body failed as a whole when it was not sent as JSON, or None."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):
+        return None
+    if not any(tuple(err.get("loc", ())) == ("body",) and err.get("type") in _NOT_JSON_ERRORS
+               for err in errors):
+        return None
+    sent = f"Content-Type: {media}" if media else "no Content-Type"
+    return f"{SEND_JSON} (the request had {sent})"
+
+
+def _suggest_field(err: dict[str, Any], model: Any) -> dict[str, Any]:
+    """An unknown field's error with the closest valid name in its message (``extra_forbidden``
+    at ``loc``), or the valid names when none is close."""
+    loc = list(err.get("loc", ()))
+    if err.get("type") != "extra_forbidden" or len(loc) < 2 or loc[0] != "body":
+        return err
+    names = _field_names(model, loc[1:-1])
+    if not names:
+        return err
+    unknown = str(loc[-1])[:200]
+    close = difflib.get_close_matches(unknown, names, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(names)}"
+    return {**err, "msg": f"unknown field {unknown!r}; {hint}"}
+
+
+def _field_names(model: Any, path: list[Any]) -> list[str]:
+    """The field names (aliases where set) of the model found by following ``path`` (field
+    names, list indices, dict keys) from ``model``; empty when the path leads to no model."""
+    current = _model_in(model)
+    for part in path:
+        if current is None:
+            return []
+        if isinstance(current, tuple):  # a list or dict of models: this part is an index or key
+            current = current[1]
+            continue
+        field = next((f for name, f in current.model_fields.items()
+                      if part in (name, f.alias)), None)
+        if field is None:
+            return []
+        current = _model_in(field.annotation)
+    if current is None or isinstance(current, tuple):
+        return []
+    return [f.alias or name for name, f in current.model_fields.items()]
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model an annotation holds (through Optional and Annotated), or
+    ``("items", model)`` for a list or dict of models, or None."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _model_in(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        found = [m for m in (_model_in(a) for a in get_args(annotation)) if m is not None]
+        return found[0] if found else None
+    if origin in (list, dict):
+        inner = _model_in(get_args(annotation)[-1]) if get_args(annotation) else None
+        return ("items", inner) if inner is not None and not isinstance(inner, tuple) else None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
 
 
 def _methods_for(request: Request) -> list[str]:

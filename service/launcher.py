@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine
 
-from service import store
+from service import provenance, store
 from service.cpu_binding import binding_env, parse_binding_log
 from service.handles import WorkerError, WorkerHandle
 from service.models import RunSpec, Worker, new_id, utcnow
@@ -96,6 +96,7 @@ class Launcher(RegisteredServers):
             log_path=str(log_path),
             gpus=",".join(gpus),
             cpu_binding=cpu_binding,
+            provenance={"launch": provenance.launch(argv, env, token)},
         ))
         log.info("starting worker %s for %s on port %s", worker_id, spec.model, port)
         process = subprocess.Popen(
@@ -117,7 +118,8 @@ class Launcher(RegisteredServers):
             daemon=True,
         )
         copier.start()
-        await asyncio.to_thread(store.update_worker, self.engine, worker_id, pid=process.pid)
+        # No await from here until the handle is held: a run cancelled in between would
+        # leave this process running with nothing to stop it.
         handle = WorkerHandle(
             id=worker_id,
             key=spec.worker_key(),
@@ -134,18 +136,21 @@ class Launcher(RegisteredServers):
         self.workers[worker_id] = handle
         self.tokens[worker_id] = token
         try:
+            await asyncio.to_thread(store.update_worker, self.engine, worker_id, pid=process.pid)
             await self._wait_healthy(handle)
+            handle.kv_tokens = await kv_capacity(self.client, handle.url)
+            if cpu_binding is not None:
+                # What vLLM made of the variables, as its worker logged it while starting.
+                cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
+                handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
+            await asyncio.to_thread(store.update_worker, self.engine, worker_id, status="ready",
+                                    ready_at=utcnow(), kv_tokens=handle.kv_tokens,
+                                    cpu_binding=cpu_binding)
         except BaseException as exc:
+            # Not ready and not anyone's: a worker whose start did not finish is stopped.
             reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
             await self.stop(handle, status="failed", error=reason)
             raise
-        handle.kv_tokens = await kv_capacity(self.client, handle.url)
-        if cpu_binding is not None:
-            # What vLLM made of the variables, as its worker logged it while starting.
-            cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
-            handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
-        await asyncio.to_thread(store.update_worker, self.engine, worker_id, status="ready",
-                                ready_at=utcnow(), kv_tokens=handle.kv_tokens, cpu_binding=cpu_binding)
         # Ready only now, with no await before the caller takes it for its run: a ready
         # worker that is not busy is idle to placement, which would give it to a queued
         # run of the same kind while the run it was started for is still waiting for it.
@@ -191,7 +196,7 @@ class Launcher(RegisteredServers):
         """Stop every worker this service started (registered servers stay registered)."""
         for handle in list(self.workers.values()):
             if not handle.external:
-                await self.stop(handle)
+                await self.stop(handle, error="the service shut down")
 
     async def mark_dead(self, handle: WorkerHandle, error: str) -> None:
         """Record that a worker died on its own; its group is still stopped."""

@@ -26,6 +26,9 @@ Beyond vLLM's keys:
   decode steps also carry other requests' prefills (chunked prefill); these keys
   compare decode with decode. A request's decode TPOT is the mean of its own
   steady gaps (its TPOT, had every step been a pure decode step).
+- ``peak_in_flight`` (not a summary key; the run page shows it): the most requests open
+  at one instant. ``max_concurrent_requests`` counts a request in every one-second
+  bucket it touches, so it reads 12 for a concurrency-4 run of sub-second requests.
 - ``run_warnings`` turns samples into warnings; ``bunched_streams`` is the one
   samples alone can show: streams whose tokens reached the client in bursts
   instead of one engine step at a time (a starved client), so their gaps are not
@@ -136,6 +139,20 @@ def _peaks(ok: Sequence[Sample]) -> tuple[float, int]:
         last = int(s.start_time + s.latency - origin)
         active[first : last + 1] += 1
     return float(tokens.max()), int(active.max())
+
+
+def peak_in_flight(samples: Sequence[Sample]) -> int:
+    """The most successful requests open at one instant (start to start + latency; a request
+    ending as another starts is not two): what ``max_concurrent_requests`` is often taken for."""
+    ok = [s for s in samples if s.success]
+    if not ok:
+        return 0
+    starts = np.array([s.start_time for s in ok], dtype=np.float64)
+    ends = starts + np.array([s.latency for s in ok], dtype=np.float64)
+    times = np.concatenate([starts, ends])
+    steps = np.concatenate([np.ones(starts.size), -np.ones(ends.size)])
+    order = np.lexsort((steps, times))
+    return int(np.cumsum(steps[order]).max())
 
 
 def _token_times(s: Sample) -> np.ndarray:

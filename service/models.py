@@ -445,6 +445,9 @@ class Run(SQLModel, table=True):
     trial: int | None = None
     # ``point_key`` of the spec: runs of the same point, for baselines.
     point: str | None = SQLField(default=None, index=True)
+    # The setup its numbers came from (see ``service.provenance.snapshot``), taken when it
+    # got its worker.
+    provenance: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
 
 
 class Baseline(SQLModel, table=True):
@@ -517,6 +520,9 @@ class Worker(SQLModel, table=True):
     last_seen_at: datetime | None = None
     # CPU workers: {"env": the binding variables it ran with, "omp_cores", "reserved_cores"}.
     cpu_binding: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    # {"launch": {argv, env} as this service started it, "reported": what its connector
+    # said of it (``WorkerProvenance``)}; see ``service.provenance``.
+    provenance: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
 
 
 # --- public shapes --------------------------------------------------------------------
@@ -558,6 +564,7 @@ class RunPublic(BaseModel):
     sweep_id: str | None = None
     group_id: str | None = None
     trial: int | None = None
+    provenance: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, run: Run) -> RunPublic:
@@ -582,6 +589,7 @@ class RunPublic(BaseModel):
             sweep_id=run.sweep_id,
             group_id=run.group_id,
             trial=run.trial,
+            provenance=run.provenance,
         )
 
 
@@ -631,6 +639,7 @@ class WorkerPublic(BaseModel):
     error: str | None
     log_path: str
     cpu_binding: dict[str, Any] | None = None
+    provenance: dict[str, Any] | None = None
 
 
 _HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9-]{1,63})*|[0-9A-Fa-f:.]+)$")
@@ -814,6 +823,30 @@ class SweepPublic(BaseModel):
     fill_vs_prefill: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class SweepSummary(BaseModel):
+    """A sweep in a list: what it varies and how far its runs got."""
+
+    id: str
+    created_at: datetime
+    model: str
+    grid_keys: list[str]
+    # Grid points, and runs (points x repeats).
+    points: int
+    runs: int
+    repeats: int = 1
+    # Its runs by status (only the statuses it has).
+    status: dict[str, int]
+
+
+class SweepList(BaseModel):
+    """A page of sweeps."""
+
+    sweeps: list[SweepSummary]
+    total: int
+    limit: int
+    offset: int
+
+
 class GroupPublic(BaseModel):
     """The trials of one point (a run with ``repeats``) and every figure over them: the
     mean with a Student-t 95% interval and the CV with two or more succeeded trials."""
@@ -883,6 +916,25 @@ def connector_totals(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     errors = [str(c["error"]) for c in schedulers if c.get("error")]
     total["error"] = errors[0] if errors else None
     return total
+
+
+Scalar = str | int | float | bool | None
+
+
+class WorkerProvenance(BaseModel):
+    """What a worker's connector reports of the server it runs in, once at its start (see
+    ``connector.provenance``). Fields a newer connector adds are ignored, not refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    versions: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=200)] | None] = (
+        Field(default_factory=dict, max_length=32))
+    engine: dict[Annotated[str, Field(max_length=64)], Scalar] = Field(default_factory=dict, max_length=128)
+    kv_cache: dict[Annotated[str, Field(max_length=64)], Scalar] = Field(default_factory=dict, max_length=32)
+    hardware: dict[Annotated[str, Field(max_length=64)], Any] = Field(default_factory=dict, max_length=32)
+    argv: list[Annotated[str, Field(max_length=8192)]] = Field(default_factory=list, max_length=512)
+    env: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=dict, max_length=256)
 
 
 class FillAnswer(BaseModel):

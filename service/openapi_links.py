@@ -21,6 +21,7 @@ _LINKS: dict[tuple[str, str, str], dict[str, tuple[str, dict[str, str]]]] = {
         "MarkBaseline": ("mark_baseline", _RUN),
         "AgainstBaseline": ("against_baseline", _RUN),
         "UnmarkBaseline": ("unmark_baseline", _RUN),
+        "DeleteRun": ("delete_run", _RUN),
         "GetGroup": ("get_group", {"group_id": "$response.body#/group_id"}),
         "CancelGroup": ("cancel_group", {"group_id": "$response.body#/group_id"}),
     },

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,6 +13,9 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
+from pydantic import ValidationError
+from sqlalchemy import Engine
+from sqlmodel import Session, col, select
 
 from service import charts, comparison, server_metrics, store
 from service.auth import (
@@ -24,7 +29,18 @@ from service.auth import (
 )
 from service.deps import DB
 from service.metrics import Sample as SampleData
-from service.models import FINISHED, RunStatus, connector_totals, effective_load_format
+from service.metrics import peak_in_flight
+from service.models import (
+    FINISHED,
+    EngineSpec,
+    Run,
+    RunStatus,
+    Worker,
+    connector_totals,
+    effective_load_format,
+    worker_key,
+)
+from service.procs import log_tail
 
 # HTML for people, not part of the REST API's schema.
 router = APIRouter(dependencies=[Depends(require_page_reader)], include_in_schema=False)
@@ -88,6 +104,154 @@ def _figure(fig: Mapping[str, Any] | None) -> Markup:
 templates.env.filters["with_ci"] = _with_ci
 templates.env.filters["figure"] = _figure
 
+# Units of the numbers a page shows by key; keys ending in ``_ms`` are ms.
+UNITS = {"request_throughput": "req/s", "request_goodput": "req/s", "output_throughput": "tok/s",
+         "total_token_throughput": "tok/s", "max_output_tokens_per_s": "tok/s", "duration": "s",
+         "total_input_tokens": "tokens", "total_output_tokens": "tokens", "completed": "requests",
+         "failed": "requests", "max_concurrent_requests": "requests", "decode_gaps": "gaps"}
+
+
+def _unit(key: str) -> str:
+    return "ms" if key.endswith("_ms") else UNITS.get(key, "")
+
+
+def _aware(value: datetime) -> datetime:
+    # SQLite hands datetimes back without their zone; every stored one is UTC.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _utc(value: datetime | None) -> str:
+    """``2026-11-23 22:15:16 UTC``."""
+    return _aware(value).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if value else "-"
+
+
+def _duration(seconds: float | None) -> str:
+    """``44 s``, ``3 min 05 s``, ``2 h 01 min``."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    whole = round(seconds)
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
+
+
+def _between(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return (_aware(end) - _aware(start)).total_seconds()
+
+
+templates.env.filters["unit"] = _unit
+templates.env.filters["utc"] = _utc
+templates.env.filters["duration"] = _duration
+
+
+def spec_facts(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A run's setup as ``(label, value)`` pairs a reader scans: model, ISL, OSL, load, prompts,
+    mode and fill, engine."""
+    isl = f"{spec.get('input_len')} tokens"
+    if spec.get("range_ratio"):
+        isl += f" ±{spec['range_ratio']:.0%}"
+    rate, cap = spec.get("request_rate"), spec.get("max_concurrency")
+    if rate is not None:
+        load = ("rate", f"{rate:g} req/s" + (f" (burstiness {spec['burstiness']:g})"
+                                             if spec.get("burstiness", 1.0) != 1.0 else "")
+                + (f", at most {cap} at once" if cap is not None else ""))
+    else:
+        load = ("concurrency", str(cap) if cap is not None else "unlimited (all at once)")
+    prompts = str(spec.get("num_prompts"))
+    if spec.get("warmup_prompts"):
+        prompts += f" + {spec['warmup_prompts']} warmup"
+    fill = spec.get("fill") or {}
+    mode = (f"fill (mean {fill.get('mean')}, std {fill.get('std')})" if spec.get("mode", "fill") == "fill"
+            else "prefill (real)")
+    engine = spec.get("engine") or {}
+    shown = [f"TP {engine.get('tensor_parallel_size', 1)}"]
+    shown += [f"{k} {v}" for k, v in engine.items()
+              if k not in ("tensor_parallel_size", "extra_args") and v not in (None, "auto")]
+    shown += [str(a) for a in engine.get("extra_args") or []]
+    return [("model", str(spec.get("model"))), ("ISL", isl), ("OSL", f"{spec.get('output_len')} tokens"),
+            load, ("prompts", prompts), ("mode", mode), ("engine", ", ".join(shown))]
+
+
+# A line of a log or traceback that names what went wrong.
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Exit)\b:|\berror:|\bfailed\b|\bnot found\b", re.I)
+# What says the model itself is the problem (missing, not a model, not reachable).
+_MODEL_PROBLEM = re.compile(
+    r"config\.json|not a valid model|model identifier|repo(sitory)?[ _]?(id|not found)|"
+    r"does not appear to have|no such file|gated repo|huggingface|hf_hub|tokenizer", re.I)
+CAUSE_CHARS = 300
+
+
+def failure_cause(error: str | None, model: str) -> tuple[str, str]:
+    """A failed run's cause in one line (the error line of the worker's log first, the model
+    named when it is the problem) and the rest of the message (the log tail), for folding."""
+    lines = [line.strip() for line in (error or "").strip().splitlines() if line.strip()]
+    if not lines:
+        return "", ""
+    head = re.sub(r";?\s*last log lines:\s*$", "", lines[0])
+    found = next((line for line in reversed(lines[1:]) if _ERROR_LINE.search(line)), None)
+    cause = f"{found} · {head}" if found else head
+    if model and model not in cause and _MODEL_PROBLEM.search(cause):
+        cause = f"model {model}: {cause}"
+    if len(cause) > CAUSE_CHARS:
+        cause = cause[:CAUSE_CHARS - 1] + "…"
+    return cause, "\n".join(lines[1:])
+
+
+
+
+def _run_cause(run: Any) -> str:
+    return failure_cause(run.error, run.model)[0]
+
+
+templates.env.filters["cause"] = _run_cause
+LOG_LINE_CHARS = 400
+
+
+def starting_view(engine: Engine, run: Run) -> dict[str, Any] | None:
+    """While a run is ``starting``: the server being started for it, how long that has taken
+    against the last start of the same model (and engine, where one is known), and the last
+    line of its log."""
+    if run.status != RunStatus.starting.value:
+        return None
+    try:
+        key: str | None = worker_key(run.model, EngineSpec.model_validate(run.spec.get("engine", {})))
+    except ValidationError:
+        key = None
+    with Session(engine) as session:
+        workers = list(session.exec(select(Worker).where(Worker.model == run.model)
+                                    .order_by(col(Worker.created_at).desc()).limit(100)).all())
+    current = next((w for w in workers if w.status == "starting" and (key is None or w.key == key)),
+                   next((w for w in workers if w.status == "starting"), None))
+    if current is None:
+        return {"worker": None}
+    earlier = [w for w in workers if w.ready_at is not None and not w.external
+               and _aware(w.created_at) < _aware(current.created_at)]
+    last = next((w for w in earlier if w.key == current.key), earlier[0] if earlier else None)
+    line = log_tail(Path(current.log_path), 1)
+    return {
+        "worker": current,
+        "elapsed_s": _between(current.created_at, datetime.now(UTC)),
+        "last_start_s": _between(last.created_at, last.ready_at) if last else None,
+        "last_same_engine": last is not None and last.key == current.key,
+        "last_line": line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS - 1] + "…",
+    }
+
+
+RECENT_ENDED_WORKERS = 10
+
+
+def ended_workers(engine: Engine, limit: int = RECENT_ENDED_WORKERS) -> list[Worker]:
+    """The servers that ended last (failed or stopped), with their reasons."""
+    with Session(engine) as session:
+        return list(session.exec(
+            select(Worker).where(col(Worker.status).in_(("failed", "stopped")))
+            .order_by(col(Worker.stopped_at).desc(), col(Worker.created_at).desc()).limit(limit)
+        ).all())
+
 
 @router.get("/", response_class=HTMLResponse)
 def index(
@@ -114,6 +278,7 @@ def index(
             "statuses": [s.value for s in RunStatus],
             "sweeps": store.list_sweeps(engine, 10) if page == 1 else [],
             "workers": store.active_workers(engine) if page == 1 else [],
+            "ended_workers": ended_workers(engine) if page == 1 else [],
         },
     )
 
@@ -139,10 +304,18 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
     baseline = comparison.against_baseline(engine, run) if run.status in FINISHED else None
     # From the stored spec as it is: runs from before load_format existed loaded "auto".
     load_format = effective_load_format(run.model, run.spec.get("engine", {}).get("load_format", "auto"))
+    cause, log_lines = failure_cause(run.error, run.model) if run.status == "failed" else ("", "")
+    ended = run.finished_at if run.finished_at else (datetime.now(UTC) if run.started_at else None)
     return templates.TemplateResponse(
         request,
         "run.html",
         {
+            "facts": spec_facts(run.spec),
+            "took_s": _between(run.started_at, ended),
+            "cause": cause,
+            "log_lines": log_lines,
+            "starting": starting_view(engine, run),
+            "peak_in_flight": peak_in_flight(every) if every else None,
             "load_format": load_format,
             "group": group,
             "baseline": baseline,
@@ -244,8 +417,19 @@ def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
         request, "sweep.html",
         {"sweep": sweep, "keys": keys, "rows": rows, "charts": chart_list, "points": points,
          "pairs": sweep.fill_vs_prefill, "href": href, "baselines": baselines,
-         "base_shown": {k: v for k, v in sweep.base.items() if k not in keys}},
+         "base_shown": base_not_swept(sweep.base, keys)},
     )
+
+
+def base_not_swept(base: Mapping[str, Any], grid_keys: Sequence[str]) -> dict[str, Any]:
+    """The base spec without the fields the grid sets (dotted keys reach into nested specs):
+    what every point really shares."""
+    shown = {k: v for k, v in base.items() if k not in grid_keys}
+    for key in grid_keys:
+        head, _, tail = key.partition(".")
+        if tail and isinstance(shown.get(head), dict):
+            shown[head] = {k: v for k, v in shown[head].items() if k != tail}
+    return shown
 
 
 @router.get("/groups/{group_id}", response_class=HTMLResponse)
@@ -282,6 +466,7 @@ def compare_page(
     result = comparison.compare(engine, chosen)
     arms = [comparison.load_arm(engine, a["id"]) for a in result["arms"]]
     names = {}
+    facts = {arm.id: spec_facts(arm.spec) for arm in arms}
     for arm in arms:
         spec = arm.spec
         names[arm.id] = f"{arm.id} ({spec['mode']}, ISL {spec['input_len']}, c={spec['max_concurrency']})"
@@ -296,7 +481,7 @@ def compare_page(
         chart_list.append(charts.cdf(series, f"{title}: share of values at or below", xlabel))
     return templates.TemplateResponse(
         request, "compare.html",
-        {"result": result, "chosen": chosen, "charts": chart_list, "names": names},
+        {"result": result, "chosen": chosen, "charts": chart_list, "names": names, "facts": facts},
     )
 
 

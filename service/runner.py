@@ -23,7 +23,7 @@ import httpx
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from service import store
+from service import hub, provenance, store
 from service.checks import (
     Point,
     asked_concurrency,
@@ -185,6 +185,10 @@ class Runner:
         # pull is only answered for runs assigned to the asking worker.
         await asyncio.to_thread(store.update_fields, self.engine, self.run_id, worker_id=handle.id,
                                 cpu_binding=handle.cpu_binding)
+        await asyncio.to_thread(
+            store.snapshot_provenance, self.engine, self.run_id, handle.id,
+            effective_load_format(self.spec.model, self.spec.engine.load_format), handle.kv_tokens,
+            provenance.service_facts())
         spec = self.spec
         batch = asked_concurrency(spec.max_concurrency, spec.prompt_budget(), spec.request_rate)
         reason = infeasible(batch or 1, spec.longest_request_tokens(), handle.kv_tokens)
@@ -263,12 +267,14 @@ class Runner:
             return self.placement.reuse
         # A stored spec skipped the filesystem checks (``RunSpec.stored``): a model
         # directory can have gone since the run was queued. Checked before any warm
-        # worker is stopped for this run.
-        problem = await asyncio.to_thread(spec_problem, self.spec)
+        # worker is stopped for this run. So is a hub model that left the cache.
+        problem = await asyncio.to_thread(spec_problem, self.spec) or await asyncio.to_thread(
+            hub.model_problem, self.spec.model, self.settings.hub_check)
         if problem is not None:
             raise RunFailed(problem)
         for handle in self.placement.evict:
-            await self.launcher.stop(handle)
+            await self.launcher.stop(handle, error=f"stopped to make room for run {self.run_id} "
+                                                   f"({self.spec.model})")
         handle = await self.launcher.start(self.spec, self.placement.gpus)
         handle.busy_run = self.run_id
         return handle

@@ -155,6 +155,11 @@ class Scheduler:
 
         self._on_loop(cancel)
 
+    def handling(self, run_id: str) -> bool:
+        """Whether a runner still works on the run (a cancelled run's runner winds down
+        after the API moved it to ``cancelled``: it saves the samples it has). From any thread."""
+        return run_id in self._tasks
+
     async def run_forever(self) -> None:
         """Place queued runs, oldest first, as long as they fit; until cancelled."""
         while True:
@@ -248,7 +253,7 @@ class Scheduler:
             for handle in placement.evict:
                 if handle.alive():
                     try:
-                        await self.launcher.stop(handle)
+                        await self.launcher.stop(handle, error=f"stopped to make room for run {run_id}")
                     except BaseException:
                         log.exception("stopping worker %s failed", handle.id)
                 self._stopping.pop(handle.id, None)

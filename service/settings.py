@@ -8,6 +8,7 @@ import secrets
 import shlex
 import sys
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, PrivateAttr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -55,6 +56,10 @@ class Settings(BaseSettings):
     # (benchmarks/README.md, "scrape.py"). Counters (preemptions, prefix hits, queue time)
     # need only the two ends; the running/waiting time series needs the scrapes.
     scrape_every_s: float = Field(default=0.0, ge=0)
+    # How far a submitted hub model id is looked for before it is accepted (service/hub.py):
+    # "cache" (the local Hugging Face cache), "online" (then the hub, unless HF_HUB_OFFLINE
+    # is set) or "off".
+    hub_check: Literal["off", "cache", "online"] = "online"
     # How often registered (external) vLLM servers are health-probed.
     worker_probe_s: float = Field(default=5.0, gt=0)
     # Each worker log is kept to about twice this (the file and one rotated copy).

@@ -16,16 +16,18 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import Engine, func, update
+from sqlalchemy import Engine, delete, func, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from service import provenance
 from service.db import write_session
 from service.errors import Conflict, Invalid, NotFound
 from service.metrics import Sample as SampleData
 from service.models import (
     FINISHED,
+    Baseline,
     Run,
     RunPublic,
     RunSpec,
@@ -399,6 +401,93 @@ def list_sweeps(engine: Engine, limit: int) -> list[tuple[Sweep, dict[str, int]]
             counts["total"] = sum(counts.values())
             out.append((sweep, counts))
         return out
+
+
+def sweep_page(engine: Engine, limit: int, offset: int) -> tuple[list[tuple[Sweep, dict[str, int]]], int]:
+    """A page of sweeps, newest first, each with the counts of its runs by status; and how
+    many sweeps there are."""
+    with Session(engine) as session:
+        sweeps = list(session.exec(
+            select(Sweep).order_by(col(Sweep.created_at).desc(), col(Sweep.id).desc())
+            .offset(offset).limit(limit)
+        ).all())
+        counts: dict[str, dict[str, int]] = {sweep.id: {} for sweep in sweeps}
+        if sweeps:
+            rows = session.exec(
+                select(Run.sweep_id, Run.status, func.count())
+                .where(col(Run.sweep_id).in_(list(counts))).group_by(Run.sweep_id, Run.status)
+            ).all()
+            for sweep_id, status, n in rows:
+                counts[str(sweep_id)][status] = int(n)
+        total = session.exec(select(func.count()).select_from(Sweep)).one()
+        return [(sweep, counts[sweep.id]) for sweep in sweeps], int(total)
+
+
+def delete_run(engine: Engine, run_id: str) -> None:
+    """Delete a finished run with everything stored for it: its samples, server metric
+    points and the baseline it is (a group's baseline goes with the group's last run).
+    NotFound for an unknown run, Conflict while it is not finished."""
+    with write_session(engine) as session:
+        run = session.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"run {run_id!r} not found")
+        if run.status not in FINISHED:
+            raise Conflict(f"run {run_id} is {run.status}: cancel it first "
+                           f"(POST /api/runs/{run_id}/cancel), then delete it")
+        arms = [run_id]
+        if run.group_id is not None:
+            others = session.exec(
+                select(func.count()).select_from(Run).where(Run.group_id == run.group_id, Run.id != run_id)
+            ).one()
+            if not others:
+                arms.append(run.group_id)
+        session.exec(delete(Sample).where(col(Sample.run_id) == run_id))
+        session.exec(delete(ServerMetricPoint).where(col(ServerMetricPoint.run_id) == run_id))
+        session.exec(delete(Baseline).where(col(Baseline.arm).in_(arms)))
+        session.exec(delete(Run).where(col(Run.id) == run_id))
+
+
+def _worker_facts(worker: Worker | None) -> dict[str, Any] | None:
+    if worker is None:
+        return None
+    return {"id": worker.id, "external": worker.external, "gpus": worker.gpus,
+            "cpu_binding": worker.cpu_binding, "provenance": worker.provenance}
+
+
+def snapshot_provenance(engine: Engine, run_id: str, worker_id: str, load_format: str,
+                        kv_tokens: int | None, facts: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Record on a run the provenance of its worker as it stands, with the service's facts
+    and the run's own (``service.provenance.snapshot``); returns it."""
+    with write_session(engine) as session:
+        run = session.get(Run, run_id)
+        if run is None:
+            return None
+        worker = _worker_facts(session.get(Worker, worker_id))
+        run.provenance = provenance.snapshot(worker, run.spec, load_format, kv_tokens, facts)
+        session.add(run)
+        return run.provenance
+
+
+def record_worker_provenance(engine: Engine, worker_id: str, reported: dict[str, Any]) -> None:
+    """Keep what a worker's connector reported of its server. Runs of this worker still in
+    progress whose snapshot was taken before the report arrived get it now."""
+    with write_session(engine) as session:
+        worker = session.get(Worker, worker_id)
+        if worker is None:
+            return
+        worker.provenance = {**(worker.provenance or {}), "reported": reported,
+                             "reported_at": utcnow().isoformat()}
+        session.add(worker)
+        facts = _worker_facts(worker)
+        runs = session.exec(select(Run).where(
+            Run.worker_id == worker_id, col(Run.status).in_(("starting", "running")))).all()
+        for run in runs:
+            old = run.provenance
+            if old is None or old.get("reported"):
+                continue
+            run.provenance = provenance.snapshot(facts, run.spec, old.get("load_format", "auto"),
+                                                 old.get("kv_cache_tokens"), old.get("decodebench") or {})
+            session.add(run)
 
 
 def worker_by_token(engine: Engine, token: str) -> Worker | None:

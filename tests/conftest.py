@@ -43,6 +43,8 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "worker_stop_grace_s": 5,
         "scheduler_poll_s": 0.1,
         "api_token": API_TOKEN,
+        # Tests never reach the Hugging Face hub: a repo id must be in the (test's) cache.
+        "hub_check": "cache",
     }
     values.update(overrides)
     return Settings(**values)

@@ -76,6 +76,8 @@ class ServiceProcess:
             "DECODEBENCH_WORKER_STOP_GRACE_S": "2",
             "DECODEBENCH_SCHEDULER_POLL_S": "0.1",
             "DECODEBENCH_API_TOKEN": API_TOKEN,
+            # Tests never reach the Hugging Face hub.
+            "DECODEBENCH_HUB_CHECK": "cache",
             **(env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None

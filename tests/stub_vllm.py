@@ -24,7 +24,10 @@ from the service named in ``--kv-transfer-config`` and reports the run's
 counters back (a request of a ``fill`` run counts as filled, of a ``prefill`` run
 as prefilled); ``STUB_NO_CONNECTOR`` turns that off, as a server that cannot reach
 the service would be. A stub registered after its start gets the config its
-registration answers through ``POST /stub/connector``.
+registration answers through ``POST /stub/connector``. At its start (and when it is
+given a config) it reports its provenance as the connector does (``connector.provenance``):
+the engine settings as vLLM would resolve them from its flags, versions, hardware, its
+command line (token hidden) and environment; ``STUB_NO_PROVENANCE`` leaves that out.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 class Connector:
     """What the stub's "connector" knows: the service to ask, each run's mode and counters."""
 
-    def __init__(self, kv_transfer_config: str | None) -> None:
+    def __init__(self, kv_transfer_config: str | None, engine: dict[str, Any] | None = None) -> None:
+        self.engine = engine or {}
         self.configure(json.loads(kv_transfer_config) if kv_transfer_config else {})
         self.modes: dict[str, str] = {}
         self.counters: dict[str, dict[str, int]] = {}
@@ -62,7 +66,34 @@ class Connector:
         if not os.environ.get("STUB_NO_CONNECTOR"):
             extra = kv_transfer_config.get("kv_connector_extra_config", {})
         self.url = extra.get("control_url")
-        self.headers = {"Authorization": f"Bearer {extra.get('worker_token', '')}"}
+        self.token = str(extra.get("worker_token", ""))
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+
+    def provenance(self) -> dict[str, Any]:
+        """What the real connector reports of its server, for this stub."""
+        argv = [sys.executable, *sys.argv]
+        if self.token:
+            argv = [a.replace(self.token, "<redacted>") for a in argv]
+        env = {k: v for k, v in sorted(os.environ.items())
+               if k.startswith("VLLM_") or k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+        return {
+            "versions": {"vllm": "0.0.0-stub", "torch": None, "python": sys.version.split()[0]},
+            "engine": self.engine,
+            "kv_cache": {"num_blocks": 100000, "block_size": 16, "tokens": 1_600_000},
+            "hardware": {"cpu_model": "Stub CPU", "cpu_cores": os.cpu_count(),
+                         "cpu_cores_usable": len(os.sched_getaffinity(0)), "machine": "x86_64"},
+            "argv": argv,
+            "env": env,
+        }
+
+    async def send_provenance(self) -> None:
+        """Report the provenance once, as the connector's scheduler side does at its start."""
+        if self.url is None or os.environ.get("STUB_NO_PROVENANCE"):
+            return
+        with contextlib.suppress(httpx.HTTPError):
+            async with httpx.AsyncClient() as client:
+                await client.post(f"{self.url}/api/connector/provenance", headers=self.headers,
+                                  json=self.provenance())
 
     async def admitted(self, run_id: str) -> None:
         """Count one request of ``run_id``, pulling the run's mode the first time."""
@@ -95,10 +126,16 @@ class Connector:
 
 
 def build_app(served_name: str, interval: float, startup_delay: float,
-              kv_transfer_config: str | None = None) -> FastAPI:
+              kv_transfer_config: str | None = None, engine: dict[str, Any] | None = None) -> FastAPI:
     """The stub's app."""
-    app = FastAPI()
-    connector = Connector(kv_transfer_config)
+    connector = Connector(kv_transfer_config, engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await connector.send_provenance()
+        yield
+
+    app = FastAPI(lifespan=lifespan)
     max_running = int(os.environ.get("STUB_MAX_RUNNING", "0"))
     slots = asyncio.Semaphore(max_running) if max_running else None
     started = time.monotonic()
@@ -148,6 +185,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
         # A registered server learns its connector config after it started (a real one
         # would be restarted with it): the test hands it over here.
         connector.configure(await request.json())
+        await connector.send_provenance()
         return {"control_url": connector.url}
 
     @app.get("/stub/requests")
@@ -223,7 +261,21 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--kv-transfer-config", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
     args, _unknown = parser.parse_known_args()
+    # What vLLM would resolve these to for a small float32 model on a CPU.
+    engine = {"dtype": "float32" if args.dtype == "auto" else args.dtype,
+              "max_model_len": args.max_model_len or 8192,
+              "gpu_memory_utilization": args.gpu_memory_utilization,
+              "tensor_parallel_size": args.tensor_parallel_size, "load_format": args.load_format,
+              "enforce_eager": args.enforce_eager, "block_size": 16, "kv_cache_dtype": "auto",
+              "enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_seqs": 256,
+              "max_num_batched_tokens": 8192, "device": "cpu"}
     if os.environ.get("STUB_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     exit_code = os.environ.get("STUB_EXIT_AT_START")
@@ -235,6 +287,7 @@ def main() -> None:
         float(os.environ.get("STUB_TOKEN_INTERVAL_S", "0.002")),
         float(os.environ.get("STUB_STARTUP_DELAY_S", "0")),
         args.kv_transfer_config,
+        engine,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = _KeepSignals(config) if os.environ.get("STUB_IGNORE_SIGTERM") else uvicorn.Server(config)

@@ -7,6 +7,7 @@ reuse it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import pytest
 
 from service.loadgen import make_plan
 from service.models import RunSpec
-from service.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
+from service.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
 from tests.conftest import API_TOKEN, AUTH, wait_finished, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -245,6 +246,22 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert [w["status"] for w in workers] == ["ready"]
     assert workers[0]["kv_tokens"] > 100_000  # read from the server's cache_config_info
     assert workers[0]["runs_served"] == 2
+
+    # The real connector reported what the server resolved, and the run recorded it.
+    prov = first["provenance"]
+    assert prov["reported"] is True, prov
+    engine = prov["engine"]
+    assert engine["dtype"] == "float32" and engine["max_model_len"] == MAX_MODEL_LEN
+    assert engine["gpu_memory_utilization"] == 0.3 and engine["enforce_eager"] is True
+    assert engine["load_format"] == "dummy" and engine["device"] == "cpu"
+    assert engine["tensor_parallel_size"] == 1 and engine["block_size"] > 0
+    assert prov["kv_cache"]["tokens"] == prov["kv_cache_tokens"] == workers[0]["kv_tokens"]
+    assert prov["versions"]["vllm"] and prov["versions"]["torch"] == importlib.metadata.version("torch")
+    assert prov["hardware"]["cpu_cores"] == os.cpu_count() and prov["hardware"]["cpu_model"]
+    assert "--kv-transfer-config" in prov["worker"]["argv"]
+    exported = service.get(f"/api/runs/{first['id']}/export").json()
+    assert exported["kv_prefill"].startswith("filled") and exported["dtype"] == "float32"
+    assert exported["decodebench"]["provenance"]["engine"] == engine
 
     page = service.get(f"/runs/{first['id']}")
     assert page.status_code == 200 and "median" in page.text

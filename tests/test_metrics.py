@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 
-from service.metrics import Sample, decode_stats, export_vllm, is_bunched, run_warnings, summarize
+from service.metrics import (
+    Sample,
+    decode_stats,
+    export_vllm,
+    is_bunched,
+    peak_in_flight,
+    run_warnings,
+    summarize,
+)
 
 HERE = Path(__file__).resolve()
 REFERENCE_BESIDE = HERE.parents[2] / "shared/reference/vllm-bench-serve-result.json"
@@ -54,6 +62,16 @@ def _four() -> list[Sample]:
         _ok(2, 30, 3, 0.2, [0.04, 0.06], start=1.2, latency=0.3),
         _failed(3, 40, start=0.6),
     ]
+
+
+def test_peak_in_flight_counts_requests_open_at_one_instant_where_vllm_counts_per_second() -> None:
+    # Four back-to-back waves of two 0.2 s requests within one second: never more than two
+    # open at once, but vLLM's one-second buckets see all eight together.
+    samples = [_ok(i, 10, 2, 0.1, [0.1], start=0.2 * (i // 2)) for i in range(8)]
+    assert peak_in_flight(samples) == 2
+    assert summarize(samples, 1.0)["max_concurrent_requests"] == 8
+    assert peak_in_flight([*samples, _failed(9, 10, start=0.1)]) == 2
+    assert peak_in_flight([]) == 0
 
 
 def test_summary_has_exactly_the_design_keys() -> None:

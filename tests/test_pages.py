@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import re
+from datetime import UTC, datetime, timedelta
+from html import unescape as html_unescape
+from pathlib import Path
+from typing import Any
 
 from fastapi.testclient import TestClient
+from sqlmodel import Session
 
+from service.models import EngineSpec, Run, RunSpec, Worker, worker_key
 from tests.conftest import wait_finished
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 6, "max_concurrency": 3}
@@ -108,3 +117,223 @@ def test_index_pages_through_ten_thousand_runs(client: TestClient) -> None:
     last = client.get("/?status=succeeded&page=200").text
     assert last.count('href="/runs/r-bulk') == 50
     assert client.get("/api/runs?limit=500&offset=9900").json()["total"] == 10_000
+
+
+def _insert(client: TestClient, *rows: Any) -> None:
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    with Session(engine) as session:
+        session.add_all(rows)
+        session.commit()
+
+
+def _between(html: str, start: str, end: str) -> str:
+    return html.split(start, 1)[1].split(end, 1)[0]
+
+
+def _text(html: str) -> str:
+    """What a reader sees of some HTML (which may start inside a tag): tags gone, spaces squeezed."""
+    return " ".join(html_unescape(re.sub(r"<[^>]+>", " ", re.sub(r"^[^<>]*>", "", html))).split())
+
+
+LAUNCH_ERROR = (
+    "vLLM server exited with code 1 before it became healthy; last log lines:\n"
+    "INFO 11-23 22:10:01 [api_server.py:1100] vLLM API server version 0.32.0\n"
+    "Traceback (most recent call last):\n"
+    '  File "/usr/lib/python3/site-packages/transformers/utils/hub.py", line 470, in cached_files\n'
+    "OSError: We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find "
+    "them in the cached files."
+)
+
+
+def _failed_run(run_id: str, model: str, error: str = LAUNCH_ERROR) -> Run:
+    spec = RunSpec().model_dump() | {"model": model}
+    return Run(id=run_id, spec=spec, model=model, status="failed", error=error, total=64,
+               finished_at=datetime.now(UTC))
+
+
+def test_run_page_header_names_the_parameters_with_units_and_utc_times(client: TestClient) -> None:
+    run = client.post("/api/runs", json={**SMALL, "fill": {"mean": 0.02, "std": 0.001}}).json()
+    wait_finished(client, run["id"])
+    html = client.get(f"/runs/{run['id']}").text
+    header = _text(_between(html, 'id="params"', "</p>"))
+    for seen in ("model decodebench-tiny", "ISL 16 tokens", "OSL 8 tokens", "concurrency 3",
+                 "prompts 6", "mode fill (mean 0.02, std 0.001)", "engine TP 1"):
+        assert seen in header, (seen, header)
+    times = _text(_between(html, 'id="times"', "</p>"))
+    assert re.fullmatch(r"created \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC · started \S+ \S+ UTC · "
+                        r"finished \S+ \S+ UTC · took [\d.]+ s", times), times
+    # Every number of the summary tables carries its unit.
+    for key, unit in (("output_throughput", "tok/s"), ("request_throughput", "req/s"),
+                      ("duration", "s"), ("decode_median_tpot_ms", "ms")):
+        row = _between(html, f"<th>{key}", "</tr>")
+        assert f'<td class="unit muted">{unit}</td>' in row, key
+    assert "<h2>Latency (ms)</h2>" in html
+    # A rate run says its rate where a concurrency run says its concurrency.
+    rated = client.post("/api/runs", json={**SMALL, "request_rate": 40.0, "max_concurrency": None}).json()
+    header = _text(_between(client.get(f"/runs/{rated['id']}").text, 'id="params"', "</p>"))
+    assert "rate 40 req/s" in header and "concurrency" not in header
+
+
+def test_max_concurrent_requests_is_explained_next_to_the_true_peak_in_flight(client: TestClient) -> None:
+    run = client.post("/api/runs", json=SMALL).json()
+    done = wait_finished(client, run["id"])
+    html = client.get(f"/runs/{run['id']}").text
+    vllm_row = _between(html, 'id="max-concurrent"', "</tr>")
+    assert "one-second bucket" in vllm_row  # the tooltip on vLLM's figure
+    assert f'<td class="num">{done["summary"]["max_concurrent_requests"]}' in vllm_row
+    peak = int(_text(_between(html, 'id="peak-in-flight"', "</tr>")).split()[-2])
+    assert 1 <= peak <= SMALL["max_concurrency"]
+    assert "can read 12 for a concurrency-4 run" in html
+
+
+def test_failed_run_shows_its_cause_in_one_line_naming_the_model_with_the_log_folded(
+    client: TestClient,
+) -> None:
+    _insert(client, _failed_run("r-failedcause1", "org/missing-model"))
+    html = client.get("/runs/r-failedcause1").text
+    cause = _text(_between(html, 'id="cause"', "</p>"))
+    assert cause.startswith("failed model org/missing-model: OSError: We couldn't connect to "
+                            "'https://huggingface.co'"), cause
+    assert cause.endswith("vLLM server exited with code 1 before it became healthy")
+    assert "INFO" not in cause and "Traceback" not in cause
+    folded = _between(html, '<details id="error">', "</details>")
+    assert "<summary>" in folded and "vLLM API server version 0.32.0" in folded
+    assert "<details id=\"error\" open" not in html
+    # An error without a log tail is its own cause, with nothing to fold.
+    _insert(client, _failed_run("r-failedcause2", "decodebench-tiny", "hung: no token for 30 s"))
+    html = client.get("/runs/r-failedcause2").text
+    assert _text(_between(html, 'id="cause"', "</p>")) == "failed hung: no token for 30 s"
+    assert "<details" not in html
+
+
+def test_starting_run_shows_elapsed_time_against_the_last_start_and_the_last_log_line(
+    client: TestClient, tmp_path: Path,
+) -> None:
+    model = "org/slow-model"
+    key = worker_key(model, EngineSpec())
+    now = datetime.now(UTC)
+    log = tmp_path / "w-now.log"
+    log.write_text("INFO loading weights\n" * 1000 + "INFO Loading safetensors checkpoint shards: 40% done\n")
+    common = {"key": key, "model": model, "engine": {}, "url": "http://127.0.0.1:9", "port": 9}
+    _insert(
+        client,
+        Worker(id="w-earlier", status="stopped", token_hash="a", log_path=str(tmp_path / "old.log"),
+               created_at=now - timedelta(hours=1), ready_at=now - timedelta(hours=1) + timedelta(seconds=42),
+               stopped_at=now - timedelta(minutes=30), **common),
+        Worker(id="w-now", status="starting", token_hash="b", log_path=str(log),
+               created_at=now - timedelta(seconds=7), **common),
+        Run(id="r-starting01", spec=RunSpec().model_dump() | {"model": model}, model=model,
+            status="starting", total=64),
+    )
+    html = client.get("/runs/r-starting01").text
+    box = _text(_between(html, 'id="starting"', "</div>"))
+    assert "Starting vLLM server w-now for org/slow-model" in box
+    elapsed = float(re.search(r"([\d.]+) s so far", box).group(1))  # type: ignore[union-attr]
+    assert 7 <= elapsed < 60
+    assert "the last start of this model took 42 s" in box
+    assert "Last log line: INFO Loading safetensors checkpoint shards: 40% done" in box
+
+
+def test_index_lists_failed_and_stopped_servers_with_their_reasons(client: TestClient) -> None:
+    now = datetime.now(UTC)
+    common = {"key": "k", "engine": {}, "url": "http://127.0.0.1:9", "port": 9, "log_path": "/nonexistent"}
+    _insert(
+        client,
+        Worker(id="w-broken", model="org/broken", status="failed", token_hash="a", stopped_at=now,
+               error="vLLM server exited with code 1 before it became healthy; last log lines:\nboom",
+               **common),
+        Worker(id="w-done", model="decodebench-tiny", status="stopped", token_hash="b", stopped_at=now,
+               **common),
+    )
+    table = _between(client.get("/").text, 'id="workers"', "</table>")
+    broken = _text(_between(table, 'class="worker-failed"', "</tr>"))
+    assert "org/broken" in broken and "failed" in broken
+    assert "vLLM server exited with code 1 before it became healthy" in broken and "boom" not in broken
+    assert "stopped by the service" in _text(_between(table, 'class="worker-stopped"', "</tr>"))
+
+
+def test_index_runs_show_their_cause_and_sweep_and_can_be_picked_to_compare(client: TestClient) -> None:
+    sweep = client.post("/api/sweeps", json={"base": SMALL, "grid": {"output_len": [2, 3]}}).json()
+    ids = [r["id"] for r in sweep["runs"]]
+    _insert(client, _failed_run("r-failedindex", "org/missing-model"))
+    html = client.get("/").text
+    runs = _between(html, 'id="runs"', "</table>")
+    cause_row = _between(runs, 'class="cause-row"', "</tr>")
+    assert "model org/missing-model: OSError" in _text(cause_row)
+    assert "\n" not in _between(cause_row, ">↳", "</div>")
+    for run_id in ids:
+        row = _between(runs, f'value="{run_id}"', "</tr>")
+        assert f'<a href="/sweeps/{sweep["id"]}">' in row
+    # Ticking runs and pressing "compare" is a plain GET form: /compare?ids=A&ids=B.
+    form = _between(html, '<form id="compare-runs"', "</form>")
+    assert 'method="get" action="/compare"' in form and form.count('type="checkbox" name="ids"') == 3
+    for run_id in ids:
+        wait_finished(client, run_id)
+    picked = client.get("/compare", params=[("ids", ids[0]), ("ids", ids[1])])
+    assert picked.status_code == 200 and 'id="compare"' in picked.text
+
+
+def test_sweep_base_spec_shows_only_what_the_grid_did_not_set(client: TestClient) -> None:
+    body = {"base": SMALL, "grid": {"input_len": [8, 16], "fill.mean": [0.01, 0.02]}}
+    sweep = client.post("/api/sweeps", json=body).json()
+    base = json.loads(html_unescape(_between(client.get(f"/sweeps/{sweep['id']}").text,
+                                             "<h2>Base spec</h2>", "</pre>").split("<pre>")[1]))
+    assert "input_len" not in base and "mean" not in base["fill"]
+    assert base["max_concurrency"] == 3 and base["fill"]["std"] == 0.0 and base["output_len"] == 8
+
+
+def test_sweep_exports_its_table_and_draws_token_axes_and_picks_points_to_compare(
+    client: TestClient,
+) -> None:
+    body = {"base": SMALL, "grid": {"input_len": [2048, 8192, 32768], "max_concurrency": [1, 2]}}
+    sweep = client.post("/api/sweeps", json=body).json()
+    for r in sweep["runs"]:
+        wait_finished(client, r["id"])
+    html = client.get(f"/sweeps/{sweep['id']}").text
+    # A log-2 token axis with a tick at each measured length, labelled as people write them.
+    axis = _svgs(html)[0]
+    assert re.search(r">2k</text>.*>8k</text>.*>32k</text>", axis, flags=re.S)
+    assert "log-2 scale" in axis
+    export = _between(html, 'id="export"', "</p>")
+    assert f'href="/api/sweeps/{sweep["id"]}/export?format=csv"' in export
+    assert f'href="/api/sweeps/{sweep["id"]}/export?format=json"' in export
+    answer = client.get(f"/api/sweeps/{sweep['id']}/export?format=csv")
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/csv")
+    assert "attachment" in answer.headers["content-disposition"]
+    rows = list(csv.DictReader(io.StringIO(answer.text)))
+    assert sorted((int(r["input_len"]), int(r["max_concurrency"])) for r in rows) == [
+        (n, c) for n in (2048, 8192, 32768) for c in (1, 2)]
+    assert all(float(r["median_tpot_ms"]) > 0 and r["mode"] == "fill" for r in rows)
+    assert all(float(r["median_tpot_ms_ci_lo"]) <= float(r["median_tpot_ms_ci_hi"]) for r in rows)
+    table = client.get(f"/api/sweeps/{sweep['id']}/export?format=json").json()
+    assert table["columns"] == list(rows[0]) and len(table["rows"]) == 6
+    assert {r["point"] for r in table["rows"]} == {r["point"] for r in rows}
+    assert client.get(f"/api/sweeps/{sweep['id']}/export?format=xml").status_code == 422
+    assert client.get("/api/sweeps/s-nope/export").status_code == 404
+    # Every point can be ticked; the form asks /compare for the ticked ones.
+    form = _between(html, '<form id="compare-points"', "</form>")
+    assert 'method="get" action="/compare"' in form
+    picked = re.findall(r'type="checkbox" name="ids" value="([^"]+)"', form)
+    assert sorted(picked) == sorted(r["point"] for r in rows)
+    assert 'id="compare"' in client.get("/compare", params=[("ids", p) for p in picked[:3]]).text
+
+
+def test_compare_headers_label_the_setup_and_every_change_says_better_or_worse(client: TestClient) -> None:
+    ids = [client.post("/api/runs", json={**SMALL, "max_concurrency": c}).json()["id"] for c in (1, 3)]
+    for run_id in ids:
+        wait_finished(client, run_id)
+    html = client.get("/compare", params=[("ids", ids[0]), ("ids", ids[1])]).text
+    table = _between(html, 'id="compare"', "</table>")
+    heads = _between(table, "<thead>", "</thead>")
+    for label in ("model", "ISL", "OSL", "concurrency", "prompts", "mode", "engine"):
+        assert heads.count(f"<dt>{label}</dt>") == 2, label
+    assert "(reference)" in _text(_between(heads, ids[0], "</th>"))
+    rows = _between(table, "<tbody>", "</tbody>").split("</tr>")[:-1]
+    assert len(rows) == 11
+    for row in rows:
+        metric = _text(_between(row, "<th>", "</th>"))
+        change = _text(row.rsplit("<td", 1)[1])
+        assert re.search(r"\b(better|worse|no change)\b", change), (metric, change)
+    # No ids: a page that says what to give, never raw JSON.
+    empty = client.get("/compare")
+    assert empty.headers["content-type"].startswith("text/html") and 'id="choose"' in empty.text

@@ -17,8 +17,8 @@ from service.vllm_cli import worker_argv
 from tests.conftest import AUTH, make_client, wait_finished
 
 SMALL = {"input_len": 8, "output_len": 2, "num_prompts": 1}
-OPEN = {"/healthz", "/login", "/logout", "/api/connector/fill", "/api/connector/report", "/openapi.json",
-        "/docs", "/docs/oauth2-redirect", "/redoc"}
+OPEN = {"/healthz", "/login", "/logout", "/api/connector/fill", "/api/connector/report",
+        "/api/connector/provenance", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
 def _routes(client: TestClient, method: str) -> list[str]:
