@@ -25,6 +25,9 @@ from tests.service_process import ServiceProcess
 
 
 def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(tmp_path: Path) -> None:
+    # One worker: with two, hypothesis describes strategies with ast.parse in two threads
+    # at once, and CPython 3.11 fails that now and then ("AST constructor recursion depth
+    # mismatch", a SystemError in the test tool, not in the service).
     # A body that breaks the schema may also be over the 1 MiB limit: its 413 is a
     # rejection too (schemathesis' default list of rejections leaves 413 out).
     (tmp_path / "schemathesis.toml").write_text(
@@ -38,7 +41,7 @@ def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(tmp_path:
             [sys.executable, "-m", "schemathesis.cli", "run", f"{service.url}/openapi.json",
              "--checks", "all", "--exclude-checks", "positive_data_acceptance",
              "--max-examples", "100", "--seed", "1", "--exclude-name", "POST /api/workers",
-             "--workers", "2", "-H", f"Authorization: Bearer {API_TOKEN}",
+             "--workers", "1", "-H", f"Authorization: Bearer {API_TOKEN}",
              "--report-dir", str(tmp_path / "report")],
             capture_output=True, text=True, timeout=900, cwd=tmp_path,
         )
