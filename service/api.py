@@ -17,7 +17,7 @@ from sqlmodel import Session, col, select
 from service import comparison, hub, prom, provenance, server_metrics, store
 from service.auth import require_admin, require_reader, require_worker
 from service.deps import DB, Sched
-from service.errors import ERROR_RESPONSES, Conflict, ErrorBody, Invalid, NotFound
+from service.errors import ERROR_RESPONSES, Conflict, ErrorBody, Invalid, NotFound, shown
 from service.metrics import export_vllm, is_bunched
 from service.models import (
     FINISHED,
@@ -318,7 +318,7 @@ def get_group(group_id: str, engine: DB) -> GroupPublic:
 def cancel_group(group_id: str, engine: DB, scheduler: Sched) -> GroupPublic:
     """Cancel every trial of a point that has not finished; 409 when all have."""
     if not group_id.startswith("g-"):
-        raise NotFound(f"group {group_id!r} not found")
+        raise NotFound(f"group {shown(group_id)} not found")
     runs = store.arm_runs(engine, group_id)
     cancelled = 0
     for run in runs:
@@ -408,7 +408,7 @@ def get_worker(worker_id: str, engine: DB) -> WorkerPublic:
     """One vLLM server: where it is, its status and why."""
     worker = store.get_worker(engine, worker_id)
     if worker is None:
-        raise NotFound(f"worker {worker_id!r} not found")
+        raise NotFound(f"worker {shown(worker_id)} not found")
     return WorkerPublic.model_validate(worker, from_attributes=True)
 
 
@@ -433,7 +433,7 @@ def connector_fill(
         run = None
     # The same answer whether the run does not exist or is another worker's.
     if run is None or run.worker_id != worker.id:
-        raise NotFound(f"run {run_id!r} is not assigned to this worker")
+        raise NotFound(f"run {shown(run_id)} is not assigned to this worker")
     try:
         spec = RunSpec.stored(run.spec)
     except ValidationError as exc:

@@ -14,7 +14,13 @@ Warnings are ``{"code", "message", "figure"}``:
   (past its first token, not finished, as the client saw it) the server ran fewer
   (median), or requests waited in the server's queue in at least half of the scrapes
   while any was decoding: the decode batch was not the one asked for. At least
-  ``MIN_SCRAPES`` scrapes must fall in the window, or there is no verdict;
+  ``MIN_SCRAPES`` scrapes must fall in the window for that; without them (scrapes
+  during a run are off by default) the verdict comes from two scrapes, at the run's
+  start and end: vLLM's ``request_queue_time_seconds`` histogram gives the mean time
+  a request waited before the engine first scheduled it, and the run carries the
+  warning when that is at least ``QUEUED_SHARE`` of the mean request latency and
+  ``QUEUED_MIN_S`` (a step or two of waiting is how any request joins a batch; a
+  fill run's first request also waits there, once, for the run's values);
 - ``kv_near_full``: KV cache usage above 95% in a scrape;
 - ``foreign_prefix_hits``: prefix-cache hits no prompt of the run explains (no two
   prompts of a run share a prefix and the run's ``cache_salt`` keeps other runs'
@@ -45,12 +51,16 @@ LAG_S = 1e-3
 DRIVER_BUSY = 0.95
 WAITING_SHARE = 0.5
 MIN_SCRAPES = 3
+QUEUED_SHARE = 0.05
+QUEUED_MIN_S = 0.05
 
 PREEMPTIONS = ("vllm:num_preemptions", "vllm:num_preemptions_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
 RUNNING = ("vllm:num_requests_running",)
 WAITING = ("vllm:num_requests_waiting",)
 KV_USAGE = ("vllm:kv_cache_usage_perc",)
+QUEUE_TIME_SUM = ("vllm:request_queue_time_seconds_sum",)
+QUEUE_TIME_COUNT = ("vllm:request_queue_time_seconds_count",)
 
 
 def _warn(code: str, message: str, figure: float | int | None) -> Warning_:
@@ -171,7 +181,7 @@ def server_warnings(points: Sequence[Point], samples: Sequence[Sample], concurre
             f"{int(hits):,} prompt tokens were served from the prefix cache, and no prompt of "
             "this run shares a prefix with another: the server had traffic this run did not "
             "send, or cached blocks of another run", int(hits)))
-    queued = _queued(points, samples, concurrency)
+    queued = _queued(points, samples, concurrency) or _queued_by_counters(points, samples)
     if queued is not None:
         warnings.append(queued)
     return warnings
@@ -209,6 +219,26 @@ def _queued(points: Sequence[Point], samples: Sequence[Sample],
                 "scrapes while the run had requests decoding: the server, not the run, set the "
                 "batch", round(share, 4))
     return None
+
+
+def _queued_by_counters(points: Sequence[Point], samples: Sequence[Sample]) -> Warning_ | None:
+    """The queue verdict from the first and last scrape alone: the mean time the run's
+    requests waited in the engine's queue against their mean latency."""
+    waited_s = counter_delta(points, QUEUE_TIME_SUM)
+    requests = counter_delta(points, QUEUE_TIME_COUNT)
+    latencies = [s.latency for s in samples if s.success and s.latency > 0]
+    if waited_s is None or not requests or not latencies:
+        return None
+    mean_wait = waited_s / requests
+    share = mean_wait / float(np.mean(latencies))
+    if share < QUEUED_SHARE or mean_wait < QUEUED_MIN_S:
+        return None
+    return _warn(
+        "queued_in_server",
+        f"requests waited a mean of {mean_wait * 1000:,.0f} ms in the server's queue before it "
+        f"first scheduled them, {share:.0%} of their mean latency ({int(requests)} requests, "
+        "vllm:request_queue_time_seconds): the server, not the run, set the batch",
+        round(share, 4))
 
 
 def client_warnings(samples: Sequence[Sample], beats: Sequence[Mapping[str, float]],

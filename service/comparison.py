@@ -23,7 +23,7 @@ from sqlmodel import Session, col, select
 
 from service import store
 from service.db import write_session
-from service.errors import Conflict, NotFound
+from service.errors import Conflict, NotFound, shown
 from service.metrics import Sample as SampleData
 from service.metrics import request_values
 from service.models import FINISHED, Baseline, Run, RunStatus, SweepPublic, point_key, utcnow
@@ -429,7 +429,7 @@ def sweep_points(engine: Engine, grid_keys: Sequence[str], runs: Sequence[Run]) 
 def group_view(engine: Engine, group_id: str) -> dict[str, Any]:
     """A group (``GET /api/groups/{id}``): its trials and every figure over them."""
     if not group_id.startswith("g-"):
-        raise NotFound(f"group {group_id!r} not found")
+        raise NotFound(f"group {shown(group_id)} not found")
     arm = load_arm(engine, group_id)
     keys = sorted({k for r in arm.ok for k, v in (r.summary or {}).items()
                    if isinstance(v, int | float) and not isinstance(v, bool)})

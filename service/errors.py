@@ -93,6 +93,15 @@ def error_body(detail: Any) -> dict[str, Any]:
 # Validation errors listed in one answer; a body with 80,000 unknown keys would
 # otherwise get 80,000 errors back (an answer many times the size of the request).
 MAX_ERRORS = 20
+# What an error echoes of a value the client sent is cut to this many characters.
+ECHO_CHARS = 200
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to ``ECHO_CHARS``: an error names what was asked for without
+    echoing a client's whole input back (a path id is as long as the request line)."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."
 
 
 def _json_safe(errors: Any) -> Any:
@@ -105,12 +114,11 @@ def _json_safe(errors: Any) -> Any:
             err["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
         if "input" in err:
             # Echo what was sent as short text: it may not even be JSON (NaN, huge strings).
-            text = repr(err["input"])
-            err["input"] = text if len(text) <= 200 else text[:200] + "..."
+            err["input"] = shown(err["input"])
         if "loc" in err:
             # A key can be as long as the body: echo each part of the path short too.
-            err["loc"] = [p if not isinstance(p, str) or len(p) <= 200 else p[:200] + "..."
-                          for p in err["loc"]]
+            err["loc"] = [p if not isinstance(p, str) or len(p) <= ECHO_CHARS
+                          else p[:ECHO_CHARS] + "..." for p in err["loc"]]
         err.pop("url", None)
         safe.append(err)
     if len(errors) > MAX_ERRORS:
@@ -206,7 +214,7 @@ def _suggest_field(err: dict[str, Any], model: Any) -> dict[str, Any]:
     names = _field_names(model, loc[1:-1])
     if not names:
         return err
-    unknown = str(loc[-1])[:200]
+    unknown = str(loc[-1])[:ECHO_CHARS]
     close = difflib.get_close_matches(unknown, names, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(names)}"
     return {**err, "msg": f"unknown field {unknown!r}; {hint}"}

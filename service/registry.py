@@ -15,7 +15,7 @@ import httpx
 from sqlalchemy import Engine
 
 from service import store
-from service.errors import Conflict, NotFound
+from service.errors import Conflict, NotFound, shown
 from service.handles import WorkerHandle
 from service.models import Worker, WorkerRegister, new_id, utcnow
 from service.store import hash_token
@@ -96,7 +96,7 @@ class RegisteredServers:
         if handle is None:
             row = await asyncio.to_thread(store.get_worker, self.engine, worker_id)
             if row is None or not row.external or row.status == "removed":
-                raise NotFound(f"no registered worker {worker_id!r}")
+                raise NotFound(f"no registered worker {shown(worker_id)}")
             raise Conflict(f"worker {worker_id} is not registered any more")
         if not handle.external:
             raise Conflict(

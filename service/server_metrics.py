@@ -3,12 +3,14 @@
 A :class:`Scraper` polls ``{url}/metrics`` on a fixed tick and hands each
 :class:`Point` to a callback; :func:`parse` keeps the few vLLM series that say what
 the engine did (requests running and waiting, KV cache use, preemptions, prompt
-tokens by source, prefix cache, tokens, finished requests), summed over engines;
+tokens by source, prefix cache, tokens, finished requests, time in the queue), summed
+over engines;
 :func:`summarize` turns a run's points into counter deltas and gauge max/mean.
 
 Names are vLLM's (``vllm/v1/metrics/loggers.py``). Counters are kept under their
 name without ``_total`` (``vllm:num_preemptions``), and a labelled series as
-``name{label=value}`` (``vllm:prompt_tokens_by_source{source=local_compute}``).
+``name{label=value}`` (``vllm:prompt_tokens_by_source{source=local_compute}``), and a
+histogram as its ``name_sum`` and ``name_count``.
 ``vllm:kv_cache_usage_perc`` is a fraction (1 = full), as vLLM reports it.
 """
 
@@ -45,12 +47,17 @@ COUNTERS = (
 )
 # Counters kept as one series per value of a label.
 BY_LABEL = {"vllm:prompt_tokens_by_source": "source"}
+# Histograms kept as their ``_sum`` and ``_count`` (running totals, like counters): the
+# time each request waited in the engine's queue before it was first scheduled, observed
+# as it finishes, so two scrapes around a run give its mean.
+HISTOGRAMS = ("vllm:request_queue_time_seconds",)
+HISTOGRAM_PARTS = frozenset(f"{name}{part}" for name in HISTOGRAMS for part in ("_sum", "_count"))
 SCRAPE_TIMEOUT_S = 2.0
 
 
 def _series(sample_name: str, labels: dict[str, str]) -> str | None:
     """The key a sample is kept under, or None when it is not one we keep."""
-    if sample_name in GAUGES:
+    if sample_name in GAUGES or sample_name in HISTOGRAM_PARTS:
         return sample_name
     # The exposition names counter samples ``<name>_total`` (next to ``<name>_created``).
     name = sample_name.removesuffix("_total")

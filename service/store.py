@@ -23,7 +23,7 @@ from sqlmodel import Session, col, select
 
 from service import provenance
 from service.db import write_session
-from service.errors import Conflict, Invalid, NotFound
+from service.errors import Conflict, Invalid, NotFound, shown
 from service.metrics import Sample as SampleData
 from service.models import (
     FINISHED,
@@ -132,7 +132,7 @@ def get_run(engine: Engine, run_id: str) -> Run:
     with Session(engine) as session:
         run = session.get(Run, run_id)
         if run is None:
-            raise NotFound(f"run {run_id!r} not found")
+            raise NotFound(f"run {shown(run_id)} not found")
         return run
 
 
@@ -144,11 +144,11 @@ def arm_runs(engine: Engine, arm: str) -> list[Run]:
             runs = list(session.exec(
                 select(Run).where(Run.group_id == arm).order_by(col(Run.trial))).all())
             if not runs:
-                raise NotFound(f"group {arm!r} not found")
+                raise NotFound(f"group {shown(arm)} not found")
             return runs
         run = session.get(Run, arm)
         if run is None:
-            raise NotFound(f"run {arm!r} not found")
+            raise NotFound(f"run {shown(arm)} not found")
         return [run]
 
 
@@ -304,7 +304,7 @@ def get_sweep(engine: Engine, sweep_id: str) -> tuple[Sweep, list[Run]]:
     with Session(engine) as session:
         sweep = session.get(Sweep, sweep_id)
         if sweep is None:
-            raise NotFound(f"sweep {sweep_id!r} not found")
+            raise NotFound(f"sweep {shown(sweep_id)} not found")
         runs = session.exec(
             select(Run).where(Run.sweep_id == sweep_id).order_by(col(Run.created_at), col(Run.id))
         ).all()
@@ -430,7 +430,7 @@ def delete_run(engine: Engine, run_id: str) -> None:
     with write_session(engine) as session:
         run = session.get(Run, run_id)
         if run is None:
-            raise NotFound(f"run {run_id!r} not found")
+            raise NotFound(f"run {shown(run_id)} not found")
         if run.status not in FINISHED:
             raise Conflict(f"run {run_id} is {run.status}: cancel it first "
                            f"(POST /api/runs/{run_id}/cancel), then delete it")

@@ -15,8 +15,9 @@ unless ``STUB_HANG_HEALTHY`` is set: then it answers, as a stuck engine's API se
 long-lived grandchild in its process group; its pid goes to /stub/requests),
 ``STUB_BUNCHED`` (each stream is made at the usual pace but sent in one write at its
 end, as a starved client or a buffering proxy would see it), ``STUB_MAX_RUNNING``
-(at most that many streams run at once; the others wait in the stub's queue and
-``/metrics`` shows them waiting). ``/stub/requests`` also shows the process's pid
+(at most that many streams run at once; the others wait in the stub's queue,
+``/metrics`` shows them waiting and, as vLLM's ``request_queue_time_seconds``, how
+long they waited). ``/stub/requests`` also shows the process's pid
 and the vLLM CPU binding variables it was started with.
 
 Like a server with decodebench's connector, it pulls each tagged run's fill values
@@ -140,6 +141,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     slots = asyncio.Semaphore(max_running) if max_running else None
     started = time.monotonic()
     state: dict[str, Any] = {"requests": 0, "open": 0, "waiting": 0, "hung": False,
+                             "queue_time_sum": 0.0, "queue_time_count": 0,
                              "grandchild": None,
                              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                              "pid": os.getpid(),
@@ -178,6 +180,9 @@ def build_app(served_name: str, interval: float, startup_delay: float,
             f"vllm:kv_cache_usage_perc{{{labels}}} 0.01\n"
             "# TYPE vllm:num_preemptions counter\n"
             f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
+            "# TYPE vllm:request_queue_time_seconds histogram\n"
+            f"vllm:request_queue_time_seconds_sum{{{labels}}} {state['queue_time_sum']}\n"
+            f"vllm:request_queue_time_seconds_count{{{labels}}} {state['queue_time_count']}\n"
         )
 
     @app.post("/stub/connector")
@@ -208,6 +213,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
             state["open"] += 1
             held: list[bytes] = []
             slot = None
+            queued_at = time.monotonic()
             try:
                 if slots is not None:
                     state["waiting"] += 1
@@ -216,6 +222,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                         slot = slots
                     finally:
                         state["waiting"] -= 1
+                queued_s = time.monotonic() - queued_at
                 if run_id:
                     await connector.admitted(run_id)
                 await asyncio.sleep(first_token_s)  # a prefill's silence
@@ -240,6 +247,9 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                 usage = {"prompt_tokens": n_in, "completion_tokens": n_out,
                          "total_tokens": n_in + n_out}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                # As vLLM, the time in the queue is observed when the request finishes.
+                state["queue_time_sum"] += queued_s
+                state["queue_time_count"] += 1
                 yield b"data: [DONE]\n\n"
                 if run_id:
                     await connector.report()

@@ -153,6 +153,17 @@ def test_delete_of_an_unknown_run_is_404(client: TestClient) -> None:
     assert response.status_code == 404 and "not found" in _detail(response)
 
 
+@pytest.mark.parametrize("path", ["/api/runs/{}", "/api/sweeps/{}", "/api/groups/{}",
+                                  "/api/workers/{}"])
+def test_a_404_names_a_long_id_without_echoing_all_of_it(client: TestClient, path: str) -> None:
+    long_id = "r-" + "x" * 8000
+    response = client.get(path.format(long_id))
+    assert response.status_code == 404
+    detail = _detail(response)
+    assert "not found" in detail and "'r-xxxx" in detail and "..." in detail
+    assert len(detail) < 300
+
+
 @pytest.mark.parametrize("status", [RunStatus.starting, RunStatus.running])
 def test_delete_of_an_unfinished_run_is_409_saying_cancel_it_first(
     client: TestClient, status: RunStatus

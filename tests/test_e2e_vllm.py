@@ -372,18 +372,27 @@ def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
         service.delete(f"/api/workers/{registered['id']}")
 
 
-def test_a_run_that_oversubscribes_the_kv_cache_carries_preempted(service: httpx.Client) -> None:
-    """A server with 24 blocks of 128 tokens (3,072 tokens): four requests of 1,000 + 1,000
-    tokens sent at once (each fits; together they do not) make vLLM preempt, and the run
-    says so. Last in the module: its own small-cache server replaces the shared one."""
-    engine = {"max_model_len": 2048, "extra_args": ["--num-gpu-blocks-override=24"]}
+def test_a_run_that_oversubscribes_the_server_carries_preempted_and_queued(
+    service: httpx.Client
+) -> None:
+    """A server with 24 blocks of 128 tokens (3,072 tokens) that runs at most 2 requests:
+    four requests of 1,000 + 1,000 tokens sent at once (each fits; two together do not)
+    make vLLM preempt, and two wait in its queue for a whole request; the run says both,
+    from the server's counters read at its start and end. Last in the module: its own
+    small server replaces the shared one."""
+    engine = {"max_model_len": 2048,
+              "extra_args": ["--num-gpu-blocks-override=24", "--max-num-seqs=2"]}
     run = _run(service, input_len=1000, output_len=1000, num_prompts=4, max_concurrency=None,
                request_rate=100.0, seed=5, engine=engine)
     preempted = [w for w in run["warnings"] if w["code"] == "preempted"]
     assert preempted, run["warnings"]
     assert preempted[0]["figure"] >= 1
+    queued = [w for w in run["warnings"] if w["code"] == "queued_in_server"]
+    assert queued and "vllm:request_queue_time_seconds" in queued[0]["message"], run["warnings"]
     view = service.get(f"/api/runs/{run['id']}/server-metrics").json()
     assert view["summary"]["deltas"]["vllm:num_preemptions"] >= 1
+    assert view["summary"]["deltas"]["vllm:request_queue_time_seconds_count"] >= 4
+    assert queued[0]["figure"] >= 0.2  # two of four waited for one of the others to finish
     # The same arithmetic at a fixed concurrency is refused before anything is sent.
     refused = service.post("/api/runs", json={"input_len": 1000, "output_len": 1000,
                                               "num_prompts": 4, "max_concurrency": 4,

@@ -109,6 +109,30 @@ def test_server_view_warns_when_the_batch_was_smaller_than_asked() -> None:
     assert server_warnings(_points([4] * 10, [0] * 10), samples, 4) == []
 
 
+def test_two_scrapes_find_a_queue_from_the_time_requests_waited_in_it() -> None:
+    # No scrape during the run (the default): the start and the end only. 8 requests of
+    # 1 s each; half of them waited a whole request in the server's queue.
+    samples = [_sample(k, 0.0, 1.0 if k < 4 else 2.0) for k in range(8)]
+    start = {"vllm:request_queue_time_seconds_sum": 10.0,
+             "vllm:request_queue_time_seconds_count": 20.0}
+    queued = [(0.0, start), (3.0, {"vllm:request_queue_time_seconds_sum": 14.0,
+                                   "vllm:request_queue_time_seconds_count": 28.0})]
+    warnings = server_warnings(queued, samples, 4)
+    assert _codes(warnings) == ["queued_in_server"]
+    assert "a mean of 500 ms" in warnings[0]["message"] and "8 requests" in warnings[0]["message"]
+    assert warnings[0]["figure"] == pytest.approx(0.5 / 1.5, abs=1e-4)
+    # Joining the batch at the next step, and one request waiting once for its run's
+    # values (a fill run's first), is not a queue.
+    for waited in (8 * 0.004, 0.030):
+        calm = [(0.0, start), (3.0, {"vllm:request_queue_time_seconds_sum": 10.0 + waited,
+                                     "vllm:request_queue_time_seconds_count": 28.0})]
+        assert server_warnings(calm, samples, 4) == []
+    # A server restarted between the scrapes says nothing.
+    restarted = [(0.0, start), (3.0, {"vllm:request_queue_time_seconds_sum": 4.0,
+                                      "vllm:request_queue_time_seconds_count": 8.0})]
+    assert server_warnings(restarted, samples, 4) == []
+
+
 def test_server_view_warns_on_preemptions_kv_and_foreign_hits() -> None:
     samples = [_sample(k, 0.0, 5.0) for k in range(2)]
     preempted = _points([2] * 4, [0] * 4, num_preemptions=[3, 3, 5, 6])
@@ -199,6 +223,24 @@ def test_a_queue_in_the_server_is_a_warning(tmp_path: Path, stub_env: pytest.Mon
         assert queued[0]["figure"] >= 0.5
         page = client.get(f"/runs/{run['id']}").text
         assert "queued_in_server" in page
+
+
+def test_a_queue_in_the_server_is_found_without_scrapes_during_the_run(
+    tmp_path: Path, stub_env: pytest.MonkeyPatch
+) -> None:
+    stub_env.setenv("STUB_MAX_RUNNING", "2")
+    stub_env.setenv("STUB_TOKEN_INTERVAL_S", "0.01")
+    with _service(tmp_path) as client:  # scrapes at the start and the end only
+        run = client.post("/api/runs", json={"input_len": 64, "output_len": 40, "num_prompts": 8,
+                                             "max_concurrency": 4}).json()
+        done = wait_finished(client, run["id"])
+        assert done["status"] == "succeeded", done["error"]
+        assert len(client.get(f"/api/runs/{run['id']}/server-metrics").json()["points"]) == 2
+        queued = [w for w in done["warnings"] if w["code"] == "queued_in_server"]
+        assert queued, done["warnings"]
+        # 2 run, 2 wait a whole request (40 tokens x 10 ms): about a third of a latency.
+        assert "in the server's queue before it first scheduled them" in queued[0]["message"]
+        assert 0.15 <= queued[0]["figure"] <= 0.6
 
 
 def test_a_sweep_point_that_cannot_fit_is_failed_before_it_runs(

@@ -145,7 +145,13 @@ def test_parse_reads_what_vllms_own_stat_logger_writes(tmp_path: Path) -> None:
     # vLLM's real PrometheusStatLogger with two engines, fed known stats: guards the names.
     from prometheus_client import REGISTRY, generate_latest
     from vllm.v1.metrics.loggers import PrometheusStatLogger, unregister_vllm_metrics
-    from vllm.v1.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import (
+        FinishedRequestStats,
+        IterationStats,
+        PrefixCacheStats,
+        SchedulerStats,
+    )
 
     from tests.vllm_harness import UPSTREAM, vllm_config
 
@@ -164,11 +170,16 @@ def test_parse_reads_what_vllms_own_stat_logger_writes(tmp_path: Path) -> None:
             iteration.prompt_token_stats.computed = 5
             iteration.prompt_token_stats.external_kv_transfer = 1000
             iteration.prompt_token_stats.total = 1005
+            # One finished request per engine, queued 0.25 s and 0.5 s before its first step.
+            iteration.finished_requests.append(FinishedRequestStats(
+                finish_reason=FinishReason.LENGTH, queued_time=0.25 * (engine + 1)))
             logger.record(scheduler, iteration, engine_idx=engine)
         text = generate_latest(REGISTRY).decode()
     finally:
         unregister_vllm_metrics()
-    assert parse(text) == pytest.approx({**EXPECTED, "vllm:request_success": 0.0})
+    assert parse(text) == pytest.approx({**EXPECTED, "vllm:request_success": 2.0,
+                                         "vllm:request_queue_time_seconds_sum": 0.75,
+                                         "vllm:request_queue_time_seconds_count": 2.0})
 
 
 # ---- summarize -----------------------------------------------------------------------------
