@@ -144,8 +144,8 @@ def test_empty_text_gives_nothing_without_complaint(caplog: pytest.LogCaptureFix
 def test_parse_reads_what_vllms_own_stat_logger_writes(tmp_path: Path) -> None:
     # vLLM's real PrometheusStatLogger with two engines, fed known stats: guards the names.
     from prometheus_client import REGISTRY, generate_latest
-    from vllm.v1.metrics.loggers import PrometheusStatLogger, unregister_vllm_metrics
     from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.loggers import PrometheusStatLogger, unregister_vllm_metrics
     from vllm.v1.metrics.stats import (
         FinishedRequestStats,
         IterationStats,
