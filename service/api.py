@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -164,6 +165,16 @@ CSV_FIELDS = [
 ]
 
 
+def _csv_attachment(name: str, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> Response:
+    """``rows`` as a CSV download named ``name.csv``."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    return Response(out.getvalue(), media_type="text/csv",
+                    headers={"Content-Disposition": f'attachment; filename="{name}.csv"'})
+
+
 @router.get(
     "/api/runs/{run_id}/export", response_model=None, dependencies=READ,
     responses={200: {"description": "vLLM result JSON, or CSV of the samples",
@@ -177,24 +188,18 @@ def export_run(
     samples = store.get_sample_data(engine, run_id)
     name = f"decodebench-{run.id}"
     if format == "csv":
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
-        writer.writeheader()
         mode = run.spec.get("mode", "fill")
-        for s in samples:
-            tpot = (s.latency - s.ttft) / (s.output_tokens - 1) if s.success and s.output_tokens > 1 else ""
-            writer.writerow({
-                "index": s.index, "mode": mode, "prompt_len": s.prompt_len,
-                "output_tokens": s.output_tokens,
-                "success": s.success, "ttft": s.ttft, "tpot": tpot, "latency": s.latency,
-                "start_time": s.start_time, "due_time": s.due_time, "sent_time": s.sent_time,
-                "itl_count": len(s.itl), "itl": " ".join(f"{x:.6f}" for x in s.itl),
-                "bunched": is_bunched(s), "error": s.error,
-            })
-        return Response(
-            out.getvalue(), media_type="text/csv",
-            headers={"Content-Disposition": f'attachment; filename="{name}.csv"'},
-        )
+        return _csv_attachment(name, CSV_FIELDS, ({
+            "index": s.index, "mode": mode, "prompt_len": s.prompt_len,
+            "output_tokens": s.output_tokens,
+            "success": s.success, "ttft": s.ttft,
+            "tpot": (s.latency - s.ttft) / (s.output_tokens - 1)
+            if s.success and s.output_tokens > 1 else "",
+            "latency": s.latency,
+            "start_time": s.start_time, "due_time": s.due_time, "sent_time": s.sent_time,
+            "itl_count": len(s.itl), "itl": " ".join(f"{x:.6f}" for x in s.itl),
+            "bunched": is_bunched(s), "error": s.error,
+        } for s in samples))
     if run.summary is None:
         raise Conflict(f"run {run_id} has no summary yet (status {run.status})")
     spec = run.spec
@@ -287,12 +292,8 @@ def export_sweep(
     if format == "json":
         return JSONResponse({"sweep": sweep_id, "columns": columns, "rows": rows},
                             headers={"Content-Disposition": f'inline; filename="{name}.json"'})
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
-    return Response(out.getvalue(), media_type="text/csv",
-                    headers={"Content-Disposition": f'attachment; filename="{name}.csv"'})
+    return _csv_attachment(name, columns, (
+        {k: "" if v is None else v for k, v in row.items()} for row in rows))
 
 
 @router.post("/api/sweeps/{sweep_id}/baseline", dependencies=ADMIN)
