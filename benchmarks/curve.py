@@ -18,7 +18,7 @@ Only one vLLM server is alive at a time (two disturb each other on 2 cores). Wit
 ``--trials N`` the three arms are measured N times, in a new order each trial.
 
 Per point it prints each side's median ITL and decode-only median ITL with their 95%
-intervals (bootstrap over requests, ``service.stats``), and each arm's worker start
+intervals (bootstrap over requests, ``service.analysis.intervals``), and each arm's worker start
 apart from its total. The last lines:
 
     curve: ours X s vs real prefill Y s: ours/real Z.ZZ
@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO))
 
 from fidelity import mean_ci, reference_server, service  # noqa: E402
 
-from service.metrics import Sample, steady_gaps, summarize  # noqa: E402
-from service.stats import Interval, pooled_median_ci  # noqa: E402
-from service.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
+from service.analysis.intervals import Interval, pooled_median_ci  # noqa: E402
+from service.analysis.metrics import Sample, steady_gaps, summarize  # noqa: E402
+from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
 
 ARMS = ("ours", "ours_stop", "real")
 

@@ -11,7 +11,7 @@ seed for every arm, point and trial so no request ever hits another's prefix cac
   worker the service starts with its connector.
 
 The reference server is started with exactly the product worker's engine flags
-(``service.vllm_cli.engine_flags``) and CPU binding (``service.cpu_binding``),
+(``service.control.vllm_cli.engine_flags``) and CPU binding (``service.control.cpu_binding``),
 minus the connector. Two vLLM CPU servers alive at once disturb each other on a
 small machine even when one is idle, so the one not being measured is paused
 (SIGSTOP to its process group) and resumed (SIGCONT) around each measurement.
@@ -20,7 +20,7 @@ Per point and arm the figure of a trial is its median TPOT (and median ITL);
 across trials the script prints the mean with a Student-t 95% interval, and for
 the ratios arm/reference the geometric mean ratio with a Welch t interval on the
 logs (``scipy.stats.ttest_ind``). Decode-only figures use the steady decode window
-(``service.metrics.decode_stats``: gaps during which no request of the run waited
+(``service.analysis.metrics.decode_stats``: gaps during which no request of the run waited
 for its first token), which at concurrency above one keeps the reference's
 chunked prefills out of its decode steps; but with real prefills at long context a
 closed loop rarely has every slot decoding at once (early requests finish their
@@ -64,11 +64,11 @@ sys.path.insert(0, str(REPO))
 
 from harness import free_port  # noqa: E402
 
-from service.cpu_binding import BINDING_VARS, binding_env  # noqa: E402
-from service.metrics import Sample, decode_stats, is_bunched, summarize  # noqa: E402
-from service.models import EngineSpec  # noqa: E402
-from service.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
-from service.vllm_cli import engine_flags  # noqa: E402
+from service.analysis.metrics import Sample, decode_stats, is_bunched, summarize  # noqa: E402
+from service.control.cpu_binding import BINDING_VARS, binding_env  # noqa: E402
+from service.control.vllm_cli import engine_flags  # noqa: E402
+from service.core.spec import EngineSpec  # noqa: E402
+from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
 
 TOKEN = "fidelity-benchmark-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -117,7 +117,7 @@ def reference_server(model_dir: Path, work: Path) -> Iterator[tuple[str, int]]:
     log = work / "reference.log"
     with log.open("wb") as out:
         # A process group of its own in this process's session, as the service starts
-        # its workers next to its drivers (``service.procs``: the scheduler's autogroups).
+        # its workers next to its drivers (``service.control.procs``: the scheduler's autogroups).
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 process_group=0)
     try:
@@ -175,7 +175,7 @@ def _trial(samples: list[Sample], duration: float, concurrency: int) -> Trial:
     if len(ok) < len(samples):
         first = next(s.error for s in samples if not s.success)
         raise SystemExit(f"{len(samples) - len(ok)} requests failed: {first}")
-    # Streams the client saw in bursts say nothing of decode (service.metrics.is_bunched): the
+    # Streams the client saw in bursts say nothing of decode (service.analysis.metrics.is_bunched): the
     # figures come from the others, the same rule for every arm, and the share is reported.
     streamed = [s for s in ok if not is_bunched(s)]
     summary = summarize(streamed, duration)
@@ -227,8 +227,8 @@ def run_client(url: str, point: Point, args: argparse.Namespace, seed: int, tag:
     """decodebench's load generator against the reference server."""
     import asyncio
 
-    from service.loadgen import LoadGenerator, make_plan
-    from service.models import RunSpec
+    from service.core.spec import RunSpec
+    from service.load.generator import LoadGenerator, make_plan
 
     spec = RunSpec(input_len=point.input_len, output_len=args.output_len, num_prompts=args.prompts,
                    max_concurrency=point.concurrency, seed=seed)

@@ -5,7 +5,7 @@ The stub (``token_stub.py``, its own process) streams one token every
 ``--interval`` seconds per request. At each concurrency level three clients send
 the same number of requests, one after the other: vLLM's client and our load
 generator class in this process, and the service's real driver path (driver
-processes from ``service.driver``, sharded one per 256 streams, at most one per
+processes from ``service.load.driver``, sharded one per 256 streams, at most one per
 core, samples streamed back over their pipes). The table shows achieved output
 tokens/s and how far each client's median ITL is from the stub's true interval. A
 client that cannot keep up reports lower throughput and inflated ITLs: its own
@@ -32,10 +32,10 @@ from vllm.benchmarks.lib.endpoint_request_func import (
     async_request_openai_completions,
 )
 
-from service.driver import DriverPool, Drivers, shard_count
-from service.loadgen import LoadGenerator, make_plan
-from service.metrics import Sample
-from service.models import RunSpec
+from service.analysis.metrics import Sample
+from service.core.spec import RunSpec
+from service.load.driver import DriverPool, Drivers, shard_count
+from service.load.generator import LoadGenerator, make_plan
 
 HERE = Path(__file__).resolve().parent
 

@@ -40,7 +40,7 @@ def main() -> None:
         def watch() -> None:
             while not done.is_set():
                 peaks["service"] = max(peaks["service"], rss_mb(service.pid) or 0.0)
-                for pid in children(service.pid, b"service.driver"):
+                for pid in children(service.pid, b"service.load.driver"):
                     peak = rss_mb(pid, "VmHWM")
                     if peak is not None:
                         peaks[f"driver {pid}"] = max(peaks.get(f"driver {pid}", 0.0), peak)

@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO))
 
 from fidelity import service  # noqa: E402
 
-from service.metrics import Sample, summary_intervals  # noqa: E402
-from service.stats import ratio_by_requests  # noqa: E402
+from service.analysis.intervals import ratio_by_requests  # noqa: E402
+from service.analysis.metrics import Sample, summary_intervals  # noqa: E402
 
 
 def sweep(args: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
 """Does watching the server disturb what it measures? Decode on a real vLLM CPU server with
-the service's scrape of its Prometheus ``/metrics`` (``service.server_metrics.Scraper``,
+the service's scrape of its Prometheus ``/metrics`` (``service.analysis.server_metrics.Scraper``,
 every ``--every`` seconds, as during every run) against the same server not scraped.
-Also counts the streams that reached the client bunched (``service.metrics.is_bunched``)
+Also counts the streams that reached the client bunched (``service.analysis.metrics.is_bunched``)
 in each arm, with Fisher's exact test: on a small machine vLLM's API server renders
 ``/metrics`` in the process that streams tokens.
 
@@ -34,11 +34,11 @@ sys.path.insert(0, str(REPO))
 
 from fidelity import _fmt_ci, ratio_ci, reference_server  # noqa: E402
 
-from service.loadgen import LoadGenerator, make_plan  # noqa: E402
-from service.metrics import Sample, is_bunched, summarize  # noqa: E402
-from service.models import RunSpec  # noqa: E402
-from service.server_metrics import Point, Scraper  # noqa: E402
-from service.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model  # noqa: E402
+from service.analysis.metrics import Sample, is_bunched, summarize  # noqa: E402
+from service.analysis.server_metrics import Point, Scraper  # noqa: E402
+from service.core.spec import RunSpec  # noqa: E402
+from service.core.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model  # noqa: E402
+from service.load.generator import LoadGenerator, make_plan  # noqa: E402
 
 
 async def trial(url: str, args: argparse.Namespace, seed: int, scraped: bool) -> tuple[float, int, int]:

@@ -13,13 +13,14 @@ import anyio.to_thread
 import httpx
 from fastapi import FastAPI
 
-from service import api, openapi_links, pages, prom, provenance
-from service.db import LOOP_EXECUTOR_THREADS, THREADPOOL_THREADS, make_engine
-from service.errors import install_error_handlers
-from service.launcher import Launcher
-from service.limits import BodyLimit
-from service.scheduler import Scheduler
+from service.control import provenance
+from service.control.local import Launcher
+from service.control.queue import Scheduler
 from service.settings import Settings
+from service.storage.db import LOOP_EXECUTOR_THREADS, THREADPOOL_THREADS, make_engine
+from service.web import api, openapi_links, pages, prom
+from service.web.errors import install_error_handlers
+from service.web.limits import BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Where database work runs (one rule): sync routes in FastAPI's threadpool, the
         # rest through ``asyncio.to_thread``; never on the event loop. The database pool
-        # has a connection for each of these threads (``service.db.POOL_SIZE``).
+        # has a connection for each of these threads (``service.storage.db.POOL_SIZE``).
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREADPOOL_THREADS
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(LOOP_EXECUTOR_THREADS, thread_name_prefix="decodebench-io"))

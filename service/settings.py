@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     # (benchmarks/README.md, "scrape.py"). Counters (preemptions, prefix hits, queue time)
     # need only the two ends; the running/waiting time series needs the scrapes.
     scrape_every_s: float = Field(default=0.0, ge=0)
-    # How far a submitted hub model id is looked for before it is accepted (service/hub.py):
+    # How far a submitted hub model id is looked for before it is accepted (service/control/hub.py):
     # "cache" (the local Hugging Face cache), "online" (then the hub, unless HF_HUB_OFFLINE
     # is set) or "off".
     hub_check: Literal["off", "cache", "online"] = "online"

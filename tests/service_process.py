@@ -29,7 +29,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def driver_pids(parent: int | None = None, run_id: str | None = None) -> list[int]:
-    """Load driver processes (``python -m service.driver``) that are children of
+    """Load driver processes (``python -m service.load.driver``) that are children of
     ``parent`` (this process by default) and still run; with ``run_id``, only those
     driving that run (their stderr goes to the run's driver log), not idle spares."""
     parent = os.getpid() if parent is None else parent
@@ -42,7 +42,7 @@ def driver_pids(parent: int | None = None, run_id: str | None = None) -> list[in
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid != parent or b"service.driver" not in argv or not pid_alive(int(entry.name)):
+        if ppid != parent or b"service.load.driver" not in argv or not pid_alive(int(entry.name)):
             continue
         if run_id is not None:
             try:

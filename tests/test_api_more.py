@@ -16,12 +16,16 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func
 from sqlmodel import Session, select
 
-from service import hub, store
 from service.__main__ import ready_banner
-from service.metrics import Sample as SampleData
-from service.metrics import summarize
-from service.models import Baseline, Run, RunSpec, RunStatus, Sample, ServerMetricPoint, new_id
+from service.analysis.metrics import Sample as SampleData
+from service.analysis.metrics import summarize
+from service.control import hub
+from service.core.ids import new_id
+from service.core.spec import RunSpec
+from service.core.status import RunStatus
 from service.settings import Settings
+from service.storage import store
+from service.storage.tables import Baseline, Run, Sample, ServerMetricPoint
 from tests.conftest import API_TOKEN, make_client, wait_finished, wait_for
 
 SMALL = {"input_len": 32, "output_len": 4, "num_prompts": 2, "max_concurrency": 2}

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from markupsafe import Markup
 
-from service import charts
-from service.charts import Point
+from service.web import charts
+from service.web.charts import Point
 
 NS = "{http://www.w3.org/2000/svg}"
 HOSTILE = "<script>x</script>"

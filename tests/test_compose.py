@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from service.__main__ import refuse_open_bind
 from service.app import create_app
-from service.scheduler import SHUTDOWN_WAIT_S
+from service.control.queue import SHUTDOWN_WAIT_S
 from service.settings import Settings
 from tests.conftest import make_settings
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.cpu_binding import BIND_VAR, RESERVED_VAR, binding_env, parse_binding_log
+from service.control.cpu_binding import BIND_VAR, RESERVED_VAR, binding_env, parse_binding_log
 from tests.conftest import make_client, wait_finished
 
 SMALL = {"input_len": 64, "output_len": 8, "num_prompts": 4, "max_concurrency": 2}

@@ -14,10 +14,10 @@ import httpx
 import numpy as np
 import pytest
 
-from service.driver import DriverConfig, DriverPool, Drivers, shard_concurrency, shard_count
-from service.loadgen import LoadShape, make_plan
-from service.metrics import Sample
-from service.models import RunSpec
+from service.analysis.metrics import Sample
+from service.core.spec import RunSpec
+from service.load.driver import DriverConfig, DriverPool, Drivers, shard_concurrency, shard_count
+from service.load.generator import LoadShape, make_plan
 from tests.service_process import _free_port
 
 TESTS = Path(__file__).resolve().parent

@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service.loadgen import make_plan
-from service.models import RunSpec
-from service.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
+from service.core.spec import RunSpec
+from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
+from service.load.generator import make_plan
 from tests.conftest import API_TOKEN, AUTH, wait_finished, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -218,7 +218,7 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     # The connector asked the service for this run's parameters (once: they are cached).
     assert first["connector"]["pulls"] == 1
     # vLLM bound the worker the way the service asked: one core reserved, as for a server
-    # without a connector (service/cpu_binding.py), not none.
+    # without a connector (service/control/cpu_binding.py), not none.
     binding = first["cpu_binding"]
     assert binding["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     if len(os.sched_getaffinity(0)) > 1:
@@ -312,7 +312,7 @@ def test_fill_run_generates_what_vllms_decode_bench_connector_generates(
 def test_prefill_run_after_fill_run_matches_a_server_without_connector(
     service: httpx.Client, reference_servers: dict[str, str]
 ) -> None:
-    # Longer than one prompt block (``service.loadgen.PROMPT_BLOCK``): the driver streams
+    # Longer than one prompt block (``service.load.generator.PROMPT_BLOCK``): the driver streams
     # these prompts block by block, and the server must still see exactly them.
     spec: dict[str, Any] = {"input_len": 9000, "output_len": 12, "num_prompts": 3,
                             "max_concurrency": 1, "seed": 33}

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.db import make_engine
+from service.storage.db import make_engine
 from tests.conftest import TESTS, make_client, wait_finished, wait_for
 
 MODEL = "acme/remote-8b"

@@ -6,7 +6,7 @@ flags requests the schema allows and the service refuses, and the service must
 refuse some of those by design (an Idempotency-Key reused with another body is a
 422, the issue's contract; a prompt plus output longer than the model is a 422).
 
-The stateful phase chains calls through the OpenAPI links (``service/openapi_links.py``).
+The stateful phase chains calls through the OpenAPI links (``service/web/openapi_links.py``).
 
 Registering a worker is left out: a valid registration makes the service probe the
 URL it names, and tests send traffic to loopback only. Its validation has its own

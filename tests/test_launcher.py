@@ -6,7 +6,7 @@ import os
 import threading
 from pathlib import Path
 
-from service.procs import drain_to_capped_file, log_tail
+from service.control.procs import drain_to_capped_file, log_tail
 
 
 def test_worker_output_is_drained_to_a_capped_file(tmp_path: Path) -> None:

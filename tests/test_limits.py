@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from pydantic import BaseModel
 
-from service.limits import MAX_BODY_BYTES
-from service.models import RunSpec
+from service.core.spec import RunSpec
+from service.web.limits import MAX_BODY_BYTES
 from tests.conftest import API_TOKEN, AUTH
 from tests.service_process import ServiceProcess
 

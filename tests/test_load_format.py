@@ -13,12 +13,15 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlmodel import Session
 
-from service import store
-from service.checks import dummy_moe, num_experts
-from service.metrics import Sample, summarize
-from service.models import EngineSpec, Run, RunSpec, RunStatus, new_id
-from service.tinymodel import TINY_MODEL_NAME
-from service.vllm_cli import engine_flags
+from service.analysis.checks import dummy_moe, num_experts
+from service.analysis.metrics import Sample, summarize
+from service.control.vllm_cli import engine_flags
+from service.core.ids import new_id
+from service.core.spec import EngineSpec, RunSpec
+from service.core.status import RunStatus
+from service.core.tinymodel import TINY_MODEL_NAME
+from service.storage import store
+from service.storage.tables import Run
 from tests.conftest import FINISHED, wait_for
 
 SMALL = {"input_len": 16, "output_len": 4, "num_prompts": 3, "max_concurrency": 3}

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.loadgen import RampUp, arrival_offsets, make_plan
-from service.models import RunSpec
+from service.core.spec import RunSpec
+from service.load.generator import RampUp, arrival_offsets, make_plan
 from tests.conftest import wait_finished
 
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.auth import COOKIE, LEGACY_COOKIE, SESSION_MAX_AGE_S, session_signer
+from service.web.auth import COOKIE, LEGACY_COOKIE, SESSION_MAX_AGE_S, session_signer
 from tests.conftest import API_TOKEN, ServedTestClient, make_settings
 
 

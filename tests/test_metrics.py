@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.metrics import (
+from service.analysis.metrics import (
     Sample,
     decode_stats,
     export_vllm,

@@ -24,10 +24,10 @@ from sqlalchemy import create_engine, event, inspect, text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import SQLModel
 
-from service import db, store
-from service.db import current_revision, head_revision, make_engine, upgrade
-from service.metrics import Sample as SampleData
-from service.models import point_key
+from service.analysis.metrics import Sample as SampleData
+from service.core.spec import point_key
+from service.storage import db, store
+from service.storage.db import current_revision, head_revision, make_engine, upgrade
 from tests.conftest import make_client
 
 DATA = Path(__file__).resolve().parent / "data"

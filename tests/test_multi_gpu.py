@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.vllm_cli import kv_capacity
+from service.control.vllm_cli import kv_capacity
 from tests.conftest import make_client, wait_finished
 
 # Each point streams 2 rounds of 40 tokens 0.03 s apart: about 2.4 s on the stub, long
@@ -52,7 +52,7 @@ def test_a_new_worker_is_not_given_to_another_run_before_the_one_it_was_started_
         await asyncio.sleep(1.0)
         return await kv_capacity(client, url)
 
-    monkeypatch.setattr("service.launcher.kv_capacity", slow_kv_capacity)
+    monkeypatch.setattr("service.control.local.kv_capacity", slow_kv_capacity)
     monkeypatch.setenv("STUB_TOKEN_INTERVAL_S", "0.01")
     with make_client(tmp_path) as client:
         first, second = (client.post("/api/runs", json=BASE).json()["id"] for _ in range(2))

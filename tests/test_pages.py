@@ -14,7 +14,8 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlmodel import Session
 
-from service.models import EngineSpec, Run, RunSpec, Worker, worker_key
+from service.core.spec import EngineSpec, RunSpec, worker_key
+from service.storage.tables import Run, Worker
 from tests.conftest import wait_finished
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 6, "max_concurrency": 3}
@@ -104,7 +105,8 @@ def test_index_has_the_submit_form_and_lists_sweeps(client: TestClient) -> None:
 def test_index_pages_through_ten_thousand_runs(client: TestClient) -> None:
     from sqlalchemy import insert
 
-    from service.models import Run, RunSpec
+    from service.core.spec import RunSpec
+    from service.storage.tables import Run
 
     engine = client.app.state.engine  # type: ignore[attr-defined]
     spec = RunSpec().model_dump()

@@ -1,4 +1,4 @@
-"""``service.placement.place``: the rules, as plain tables of cases."""
+"""``service.control.placement.place``: the rules, as plain tables of cases."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from service.placement import Decision, QueuedRow, WorkerRow, place
+from service.control.placement import Decision, QueuedRow, WorkerRow, place
 
 A, B, C = "kind-a", "kind-b", "kind-c"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.models import RunStatus
+from service.core.status import RunStatus
 from tests.conftest import make_client, wait_finished
 
 SMALL = {"input_len": 8, "output_len": 4, "num_prompts": 1}

@@ -21,9 +21,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service import provenance, store
-from service.db import make_engine
-from service.models import RunSpec, RunStatus, Worker, WorkerProvenance
+from service.control import provenance
+from service.core.protocol import WorkerProvenance
+from service.core.spec import RunSpec
+from service.core.status import RunStatus
+from service.storage import store
+from service.storage.db import make_engine
+from service.storage.tables import Worker
 from tests.conftest import make_client, wait_finished
 
 SMALL = {"input_len": 64, "output_len": 8, "num_prompts": 6, "max_concurrency": 2}

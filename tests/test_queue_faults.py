@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 from sqlmodel import Session, col
 
-from service.models import Run
+from service.storage.tables import Run
 from tests.conftest import wait_finished, wait_for
 
 SMALL = {"input_len": 16, "output_len": 4, "num_prompts": 2, "max_concurrency": 2}

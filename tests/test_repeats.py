@@ -9,10 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 from scipy import stats
 
-from service import store
-from service.db import make_engine
-from service.metrics import Sample, summarize, summary_intervals
-from service.models import RunSpec, RunStatus
+from service.analysis.metrics import Sample, summarize, summary_intervals
+from service.core.spec import RunSpec
+from service.core.status import RunStatus
+from service.storage import store
+from service.storage.db import make_engine
 from tests.conftest import wait_finished
 
 BASE = {"input_len": 16, "output_len": 6, "num_prompts": 4, "max_concurrency": 2}
@@ -172,7 +173,7 @@ def _finished_run(engine: object, spec: RunSpec, gap_s: float, seed: int) -> str
 
 
 def test_regressions_list_points_that_got_significantly_worse(tmp_path: Path) -> None:
-    from service import comparison
+    from service.analysis import comparison
 
     engine = make_engine(tmp_path / "db.sqlite")
     slow_point, steady_point = RunSpec(input_len=64), RunSpec(input_len=128)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.checks import (
+from service.analysis.checks import (
     asked_concurrency,
     client_warnings,
     connector_verdict,
@@ -20,8 +20,8 @@ from service.checks import (
     infeasible,
     server_warnings,
 )
-from service.metrics import Sample
-from service.models import connector_totals
+from service.analysis.metrics import Sample
+from service.core.protocol import connector_totals
 from tests.conftest import ServedTestClient, make_client, wait_finished
 
 

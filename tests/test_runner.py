@@ -11,10 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.exc import OperationalError
 
-from service import store
-from service.db import make_engine
-from service.metrics import Sample
-from service.models import RunSpec, RunStatus
+from service.analysis.metrics import Sample
+from service.core.spec import RunSpec
+from service.core.status import RunStatus
+from service.storage import store
+from service.storage.db import make_engine
 from tests.conftest import make_client, wait_finished
 
 

@@ -11,9 +11,9 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from service.__main__ import refuse_open_bind
-from service.models import RunSpec
+from service.control.vllm_cli import worker_argv
+from service.core.spec import RunSpec
 from service.settings import Settings
-from service.vllm_cli import worker_argv
 from tests.conftest import AUTH, make_client, wait_finished
 
 SMALL = {"input_len": 8, "output_len": 2, "num_prompts": 1}

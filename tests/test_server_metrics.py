@@ -18,10 +18,14 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlmodel import Session
 
-from service import server_metrics, store
-from service.metrics import Sample, summarize
-from service.models import Run, RunSpec, RunStatus, new_id
-from service.server_metrics import Point, Scraper, in_flight, parse
+from service.analysis import server_metrics
+from service.analysis.metrics import Sample, summarize
+from service.analysis.server_metrics import Point, Scraper, in_flight, parse
+from service.core.ids import new_id
+from service.core.spec import RunSpec
+from service.core.status import RunStatus
+from service.storage import store
+from service.storage.tables import Run
 
 # Cut from what vLLM 0.32's PrometheusStatLogger writes with two engines (data parallel):
 # HELP/TYPE lines, counters as <name>_total next to <name>_created, families we do not keep.
@@ -130,13 +134,13 @@ def test_parse_leaves_out_absent_series() -> None:
 @pytest.mark.parametrize("text", ["<html><body>502 Bad Gateway</body></html>", "hello world",
                                   'vllm:num_requests_running{engine="0" 3\n}{'])
 def test_garbage_gives_nothing_and_a_warning(text: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="service.server_metrics"):
+    with caplog.at_level(logging.WARNING, logger="service.analysis.server_metrics"):
         assert parse(text) == {}
     assert any("not a Prometheus exposition text" in r.getMessage() for r in caplog.records)
 
 
 def test_empty_text_gives_nothing_without_complaint(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="service.server_metrics"):
+    with caplog.at_level(logging.WARNING, logger="service.analysis.server_metrics"):
         assert parse("") == {}
     assert caplog.records == []
 
@@ -323,7 +327,7 @@ def test_scraper_of_a_server_that_is_down_gives_none_and_warns_once(
             scraper = Scraper(client, f"http://127.0.0.1:{port}")
             return [await scraper.scrape() for _ in range(3)]
 
-    with caplog.at_level(logging.WARNING, logger="service.server_metrics"):
+    with caplog.at_level(logging.WARNING, logger="service.analysis.server_metrics"):
         assert asyncio.run(scrape_three_times()) == [None, None, None]
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and f"127.0.0.1:{port}/metrics" in warnings[0].getMessage()

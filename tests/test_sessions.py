@@ -2,7 +2,7 @@
 
 With the kernel's session autogroups (``sched_autogroup_enabled``), a driver in a session
 of its own went unscheduled while the vLLM server's processes in another kept both
-cores busy, and its streams arrived in bursts (``service.procs``).
+cores busy, and its streams arrived in bursts (``service.control.procs``).
 """
 
 from __future__ import annotations

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.metrics import Sample, summarize, summary_intervals
-from service.stats import (
+from service.analysis.intervals import (
     across_trials,
     pooled_quantile_ci,
     quantile_ci,
     ratio_by_requests,
     ratio_by_trials,
 )
+from service.analysis.metrics import Sample, summarize, summary_intervals
 
 
 @pytest.mark.parametrize("q", [0.5, 0.99])

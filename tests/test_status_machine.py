@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from service import store
-from service.db import make_engine
-from service.models import FINISHED, TRANSITIONS, RunSpec, RunStatus
+from service.core.spec import RunSpec
+from service.core.status import FINISHED, TRANSITIONS, RunStatus
+from service.storage import store
+from service.storage.db import make_engine
 
 
 @pytest.fixture

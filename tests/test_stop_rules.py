@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.metrics import Sample
-from service.models import RunSpec
-from service.stats import pooled_median_ci
-from service.stopping import itl_rule_met
+from service.analysis.intervals import pooled_median_ci
+from service.analysis.metrics import Sample
+from service.analysis.stopping import itl_rule_met
+from service.core.spec import RunSpec
 from tests.conftest import wait_finished
 
 BASE = {"input_len": 32, "output_len": 16, "max_concurrency": 2}

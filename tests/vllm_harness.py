@@ -37,7 +37,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from service.tinymodel import ensure_tiny_model
+from service.core.tinymodel import ensure_tiny_model
 
 OURS = ("FillConnector", "connector")
 UPSTREAM = ("DecodeBenchConnector", None)

@@ -32,11 +32,15 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from service import store
-from service.db import make_engine
-from service.metrics import Sample as SampleData
-from service.metrics import summarize
-from service.models import RunSpec, RunStatus, SweepCreate, Worker, utcnow
+from service.analysis.metrics import Sample as SampleData
+from service.analysis.metrics import summarize
+from service.core.ids import utcnow
+from service.core.spec import RunSpec
+from service.core.status import RunStatus
+from service.core.sweep import SweepCreate
+from service.storage import store
+from service.storage.db import make_engine
+from service.storage.tables import Worker
 
 SPEC = {"input_len": 64, "output_len": 8, "num_prompts": 6, "max_concurrency": 2}
 
@@ -100,7 +104,7 @@ def common_rows(engine: Engine, worker_id: str) -> dict[str, str]:
 
 def make_today(engine: Engine) -> None:
     """Rows of every table of 03dfe7b, including a repeats group that is a baseline."""
-    from service.comparison import mark_baseline
+    from service.analysis.comparison import mark_baseline
 
     worker_id = add_worker(engine, kv_tokens=65536, vocab_size=8192, external=False,
                            cpu_binding={"env": {"OMP_NUM_THREADS": "1"}, "omp_cores": [1]})

@@ -1,0 +1,1 @@
+"""Records into numbers: vLLM-compatible metrics, intervals, checks, stop rules, comparisons."""

@@ -1,0 +1,478 @@
+"""Points with their spread, and answers to "is B different from A?".
+
+An *arm* is what one side of a comparison measured: the trials of one group (a run with
+``repeats``) or one run. A figure of an arm is the mean of its trials with a Student-t
+interval when it has two or more succeeded trials, else the one trial's value with its
+bootstrap interval over requests. B against A is the ratio B/A of a statistic: over
+trials (Welch t on the logs) when both arms have two or more trials, else a two-sample
+bootstrap over their requests (see ``service.analysis.intervals``). Only the first method sees
+run-to-run drift; every answer says which one it used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine
+from sqlmodel import Session, col, select
+
+from service.analysis.intervals import (
+    BOOTSTRAP,
+    Ratio,
+    across_trials,
+    ratio_by_requests,
+    ratio_by_trials,
+)
+from service.analysis.metrics import Sample as SampleData
+from service.analysis.metrics import request_values
+from service.core.ids import utcnow
+from service.core.spec import point_key
+from service.core.status import FINISHED, RunStatus
+from service.storage import store
+from service.storage.db import write_session
+from service.storage.tables import Baseline, Run
+from service.web.errors import Conflict, NotFound, shown
+from service.web.schemas import SweepPublic
+
+# How far fill may sit from real prefill and still be called a match (ratio of decode ITL
+# or TPOT, fill over prefill, whose whole 95% interval must lie inside).
+MATCH_BAND = (0.95, 1.05)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A compared statistic: its summary key, the per-request values it is taken over
+    (``service.analysis.metrics.request_values``; None: a whole-run figure, compared over trials
+    only) and its quantile."""
+
+    key: str
+    values: str | None
+    q: float = 0.5
+    higher_is_better: bool = False
+
+
+COMPARED: tuple[Metric, ...] = (
+    Metric("median_ttft_ms", "ttft"),
+    Metric("p99_ttft_ms", "ttft", 0.99),
+    Metric("median_tpot_ms", "tpot"),
+    Metric("p99_tpot_ms", "tpot", 0.99),
+    Metric("median_itl_ms", "itl"),
+    Metric("p99_itl_ms", "itl", 0.99),
+    Metric("decode_median_itl_ms", "decode_itl"),
+    Metric("decode_median_tpot_ms", "decode_tpot"),
+    Metric("median_e2el_ms", "e2el"),
+    Metric("output_throughput", None, higher_is_better=True),
+    Metric("request_throughput", None, higher_is_better=True),
+)
+BY_KEY = {m.key: m for m in COMPARED}
+# What a regression is judged on: decode speed first, then the first token.
+REGRESSION_METRICS = ("median_tpot_ms", "p99_tpot_ms", "decode_median_itl_ms", "median_ttft_ms")
+FILL_METRICS = ("decode_median_itl_ms", "decode_median_tpot_ms")
+
+
+@dataclass
+class Arm:
+    """The runs of one side; ``ok`` are the succeeded ones."""
+
+    id: str
+    runs: list[Run]
+    _values: dict[str, list[np.ndarray]] | None = field(default=None, repr=False)
+    _samples: list[list[SampleData]] | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> list[Run]:
+        return [r for r in self.runs if r.status == RunStatus.succeeded and r.summary]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.status in FINISHED for r in self.runs)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return self.runs[0].spec
+
+    def trial_values(self, key: str) -> list[float]:
+        return [float(v) for r in self.ok if isinstance(v := (r.summary or {}).get(key), int | float)]
+
+    def samples(self, engine: Engine) -> list[list[SampleData]]:
+        """Each succeeded trial's samples."""
+        if self._samples is None:
+            self._samples = [store.get_sample_data(engine, r.id) for r in self.ok]
+        return self._samples
+
+    def request_groups(self, engine: Engine, name: str) -> list[np.ndarray]:
+        """Per request of every succeeded trial, the values ``name`` pools (the steady
+        window of each trial is its own)."""
+        if self._values is None:
+            merged: dict[str, list[np.ndarray]] = {}
+            for trial in self.samples(engine):
+                for k, groups in request_values(trial).items():
+                    merged.setdefault(k, []).extend(groups)
+            self._values = merged
+        return self._values.get(name, [])
+
+
+def arm_id(run: Run) -> str:
+    """The arm a run belongs to: its group, or itself."""
+    return run.group_id or run.id
+
+
+def load_arm(engine: Engine, arm: str, whole_group: bool = False) -> Arm:
+    """The arm a group id or a run id names; with ``whole_group``, a run of a group stands
+    for its whole group (a baseline is a point, not one of its trials)."""
+    runs = store.arm_runs(engine, arm)
+    if whole_group and not arm.startswith("g-") and runs[0].group_id:
+        return Arm(runs[0].group_id, store.arm_runs(engine, runs[0].group_id))
+    return Arm(arm, runs)
+
+
+def arms_of(runs: Iterable[Run]) -> list[Arm]:
+    """Runs grouped into arms, in the order each arm first appears."""
+    out: dict[str, Arm] = {}
+    for run in runs:
+        out.setdefault(arm_id(run), Arm(arm_id(run), [])).runs.append(run)
+    for arm in out.values():
+        arm.runs.sort(key=lambda r: r.trial or 0)
+    return list(out.values())
+
+
+def figure(arm: Arm, key: str) -> dict[str, Any] | None:
+    """One figure of an arm with its interval: ``{value, ci, cv, n, method}``; None when no
+    trial succeeded or the key is missing."""
+    values = arm.trial_values(key)
+    if not values:
+        return None
+    if len(values) >= 2:
+        spread = across_trials(values)
+        assert spread is not None
+        out = spread.as_dict()
+        return {"value": out["mean"], "ci": out["ci"], "cv": out["cv"], "n": out["n"],
+                "method": "Student t over trials"}
+    summary = arm.ok[0].summary or {}
+    ci = summary.get(f"{key}_ci")
+    return {"value": values[0], "ci": ci if isinstance(ci, list) else None, "cv": None, "n": 1,
+            "method": BOOTSTRAP if isinstance(ci, list) else None}
+
+
+def ratio(engine: Engine, a: Arm, b: Arm, metric: Metric, seed: int = 0) -> Ratio | None:
+    """B/A of one statistic with its interval; None when it cannot be had (a zero or
+    missing figure, too few requests, or a whole-run figure without repeats on both sides)."""
+    if len(a.ok) >= 2 and len(b.ok) >= 2:
+        return ratio_by_trials(a.trial_values(metric.key), b.trial_values(metric.key))
+    if metric.values is None or not a.ok or not b.ok:
+        return None
+    return ratio_by_requests(a.request_groups(engine, metric.values),
+                             b.request_groups(engine, metric.values), metric.q, seed=seed)
+
+
+def change(engine: Engine, a: Arm, b: Arm, metric: Metric) -> dict[str, Any]:
+    """B against A on one metric, with the verdict a reader needs."""
+    found = ratio(engine, a, b, metric)
+    fa, fb = figure(a, metric.key), figure(b, metric.key)
+    out: dict[str, Any] = {"metric": metric.key, "arm": b.id,
+                           "a": fa["value"] if fa else None, "b": fb["value"] if fb else None}
+    if found is None:
+        why = ("needs two or more succeeded trials on both sides" if metric.values is None
+               else "not enough requests, or a figure of 0")
+        return out | {"ratio": None, "ci": None, "method": None, "verdict": "no interval",
+                      "direction": None, "message": f"no interval: {why}"}
+    direction = None
+    if found.differs():
+        worse = (found.value > 1) != metric.higher_is_better
+        direction = "worse" if worse else "better"
+    verdict = "different" if found.differs() else "not distinguishable"
+    pct = (found.value - 1) * 100
+    message = (f"{pct:+.1f}% [{(found.lo - 1) * 100:+.1f}%, {(found.hi - 1) * 100:+.1f}%]: "
+               + (f"{direction} (different at 95%)" if direction else "not distinguishable at 95%"))
+    return out | {"ratio": found.value, "ci": [found.lo, found.hi], "method": found.method,
+                  "verdict": verdict, "direction": direction, "message": message}
+
+
+# Finished arms never change, so what was worked out for them is kept (bootstraps cost
+# tenths of a second each).
+_CACHE: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+CACHE_SIZE = 512
+
+
+def _cached(key: tuple[Any, ...], arms: Sequence[Arm], compute: Callable[[], Any]) -> Any:
+    if not all(arm.finished for arm in arms):
+        return compute()
+    full = (*key, *(tuple(r.id for r in arm.runs) for arm in arms))
+    with _CACHE_LOCK:
+        if full in _CACHE:
+            _CACHE.move_to_end(full)
+            return _CACHE[full]
+    value = compute()
+    with _CACHE_LOCK:
+        _CACHE[full] = value
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return value
+
+
+def compare(engine: Engine, ids: Sequence[str], keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """Each arm after the first against the first, metric by metric (``GET /api/compare``)."""
+    arms = [load_arm(engine, i) for i in ids]
+    metrics = [BY_KEY[k] for k in keys] if keys else list(COMPARED)
+
+    def compute() -> dict[str, Any]:
+        rows = []
+        for metric in metrics:
+            rows.append({
+                "metric": metric.key,
+                "better": "higher" if metric.higher_is_better else "lower",
+                "values": [{"arm": arm.id, **(figure(arm, metric.key) or {"value": None, "ci": None})}
+                           for arm in arms],
+                "changes": [change(engine, arms[0], arm, metric) for arm in arms[1:]],
+            })
+        return {
+            "reference": arms[0].id,
+            "arms": [{"id": arm.id, "runs": [r.id for r in arm.runs],
+                      "succeeded": [r.id for r in arm.ok], "spec": arm.spec} for arm in arms],
+            "metrics": rows,
+        }
+
+    result: dict[str, Any] = _cached(("compare", tuple(m.key for m in metrics)), arms, compute)
+    return result
+
+
+def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, Arm]]) -> list[dict[str, Any]]:
+    """Per point with a fill and a prefill arm: fill/prefill of decode ITL and TPOT with
+    their intervals, and a verdict against ``MATCH_BAND``: ``matches`` (every interval
+    inside), ``differs`` (an interval wholly outside) or ``undecided``."""
+    out = []
+    for point, fill, prefill in pairs:
+        def compute(fill: Arm = fill, prefill: Arm = prefill) -> list[dict[str, Any]]:
+            return [change(engine, prefill, fill, BY_KEY[k]) for k in FILL_METRICS]
+
+        changes = _cached(("fill",), [fill, prefill], compute)
+        verdict = "matches"
+        for c in changes:
+            ci = c["ci"]
+            if ci is None:
+                state = "undecided"
+            elif ci[0] > MATCH_BAND[1] or ci[1] < MATCH_BAND[0]:
+                state = "differs"
+            elif MATCH_BAND[0] <= ci[0] and ci[1] <= MATCH_BAND[1]:
+                state = "matches"
+            else:
+                state = "undecided"
+            c["state"] = state
+            if state == "differs" or (state == "undecided" and verdict == "matches"):
+                verdict = state
+        lo, hi = MATCH_BAND
+        message = {
+            "matches": f"fill matches real prefill here: every interval lies within [{lo}, {hi}]",
+            "differs": "fill does not match real prefill here",
+            "undecided": (f"cannot tell whether fill matches real prefill here: an interval reaches "
+                          f"outside [{lo}, {hi}] (more requests or repeats narrow it)"),
+        }[verdict]
+        details = "; ".join(
+            f"{c['metric']} fill/prefill "
+            + (f"{c['ratio']:.3f} [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}] ({c['method']})"
+               if c["ci"] else "no interval")
+            for c in changes)
+        out.append({"point": point, "fill": fill.id, "prefill": prefill.id, "verdict": verdict,
+                    "message": f"{message}: {details}", "ratios": changes})
+    return out
+
+
+# --- baselines and regressions -----------------------------------------------------------
+
+
+def _point_of(run: Run) -> str:
+    return run.point or point_key(run.spec)
+
+
+def mark_baseline(engine: Engine, arm_or_run: str) -> dict[str, Any]:
+    """Make an arm (a run stands for its group) the baseline of its point."""
+    arm = load_arm(engine, arm_or_run, whole_group=True)
+    if not arm.ok:
+        raise Conflict(f"{arm.id} has no succeeded run: only measured numbers can be a baseline")
+    point = _point_of(arm.runs[0])
+    with write_session(engine) as session:
+        row = session.get(Baseline, point)
+        if row is None:
+            row = Baseline(point=point, arm=arm.id, model=arm.runs[0].model)
+        row.arm, row.created_at = arm.id, utcnow()
+        session.add(row)
+    return {"point": point, "arm": arm.id, "model": arm.runs[0].model}
+
+
+def unmark_baseline(engine: Engine, arm_or_run: str) -> None:
+    """Drop the baseline an arm is; Conflict when it is none."""
+    arm = load_arm(engine, arm_or_run, whole_group=True)
+    with write_session(engine) as session:
+        row = session.get(Baseline, _point_of(arm.runs[0]))
+        if row is None or row.arm != arm.id:
+            raise Conflict(f"{arm.id} is not the baseline of its point; nothing to unmark")
+        session.delete(row)
+
+
+def list_baselines(engine: Engine) -> list[Baseline]:
+    """Every baseline, newest first."""
+    with Session(engine) as session:
+        return list(session.exec(select(Baseline).order_by(col(Baseline.created_at).desc())).all())
+
+
+def baseline_of(engine: Engine, run: Run) -> Baseline | None:
+    """The baseline of a run's point, if one is marked."""
+    with Session(engine) as session:
+        return session.get(Baseline, _point_of(run))
+
+
+def against_baseline(engine: Engine, run: Run,
+                     keys: Sequence[str] = REGRESSION_METRICS) -> dict[str, Any] | None:
+    """A run's arm against its point's baseline: ``{baseline, is_baseline, changes}``;
+    None when the point has no baseline."""
+    row = baseline_of(engine, run)
+    if row is None:
+        return None
+    if row.arm == arm_id(run):
+        return {"baseline": row.arm, "is_baseline": True, "changes": []}
+    try:
+        base = load_arm(engine, row.arm)
+    except NotFound:
+        return None
+    arm = load_arm(engine, arm_id(run), whole_group=True)
+    changes = _cached(("base", tuple(keys)), [base, arm],
+                      lambda: [change(engine, base, arm, BY_KEY[k]) for k in keys])
+    return {"baseline": row.arm, "is_baseline": False, "changes": changes}
+
+
+def regressions(engine: Engine) -> list[dict[str, Any]]:
+    """Per baseline, the newest later arm of its point with a succeeded run, when it is
+    worse than the baseline on a regression metric (interval wholly on the worse side)."""
+    out = []
+    for row in list_baselines(engine):
+        try:
+            base = load_arm(engine, row.arm)
+        except NotFound:
+            continue
+        start = min(r.created_at for r in base.runs)
+        later = [a for a in arms_of(r for r in store.runs_of_point(engine, row.point)
+                                    if r.created_at > start)
+                 if a.id != base.id and a.ok and a.finished]
+        if not later:
+            continue
+        latest = later[-1]
+        def compute(base: Arm = base, latest: Arm = latest) -> list[dict[str, Any]]:
+            return [change(engine, base, latest, BY_KEY[k]) for k in REGRESSION_METRICS]
+
+        changes = _cached(("base", REGRESSION_METRICS), [base, latest], compute)
+        worse = [c for c in changes if c["direction"] == "worse"]
+        if worse:
+            spec = latest.spec
+            out.append({
+                "model": row.model, "baseline": base.id, "latest": latest.id,
+                "point": {k: spec.get(k) for k in ("input_len", "output_len", "max_concurrency",
+                                                    "request_rate", "mode")},
+                "worse": worse, "changes": changes,
+            })
+    return out
+
+
+MAX_COMPARED = 12
+
+
+def split_ids(values: Iterable[str]) -> list[str]:
+    """``ids=a,b&ids=c`` as ``[a, b, c]``, duplicates dropped."""
+    out: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if part and part not in out:
+                out.append(part)
+    return out
+
+
+# Figures each point of a sweep reports with its interval.
+POINT_FIGURES = ("median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "median_itl_ms",
+                 "decode_median_itl_ms", "decode_median_tpot_ms", "output_throughput")
+
+
+def spec_value(spec: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        spec = spec[part]
+    return spec
+
+
+def sweep_points(engine: Engine, grid_keys: Sequence[str], runs: Sequence[Run]) -> tuple[
+        list[dict[str, Any]], list[dict[str, Any]]]:
+    """A sweep's points (its runs grouped into arms, each with its grid values and figures)
+    and, for a sweep over ``mode``, fill against prefill per point once both are finished."""
+    arms = arms_of(runs)
+    points: list[dict[str, Any]] = []
+    for arm in arms:
+        points.append({
+            "arm": arm.id,
+            "point": {k: spec_value(arm.spec, k) for k in grid_keys},
+            "runs": [r.id for r in arm.runs],
+            "succeeded": len(arm.ok),
+            "figures": {k: figure(arm, k) for k in POINT_FIGURES},
+        })
+    pairs = []
+    if "mode" in grid_keys:
+        others = [k for k in grid_keys if k != "mode"]
+        by_point: dict[tuple[Any, ...], dict[str, Arm]] = {}
+        for p, arm in zip(points, arms, strict=True):
+            by_point.setdefault(tuple(p["point"][k] for k in others), {})[p["point"]["mode"]] = arm
+        for values, modes in by_point.items():
+            fill, prefill = modes.get("fill"), modes.get("prefill")
+            if fill and prefill and fill.finished and prefill.finished and fill.ok and prefill.ok:
+                pairs.append((dict(zip(others, values, strict=True)), fill, prefill))
+    return points, fill_vs_prefill(engine, pairs)
+
+
+def group_view(engine: Engine, group_id: str) -> dict[str, Any]:
+    """A group (``GET /api/groups/{id}``): its trials and every figure over them."""
+    if not group_id.startswith("g-"):
+        raise NotFound(f"group {shown(group_id)} not found")
+    arm = load_arm(engine, group_id)
+    keys = sorted({k for r in arm.ok for k, v in (r.summary or {}).items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)})
+    return {"id": arm.id, "spec": arm.spec, "runs": arm.runs,
+            "succeeded": len(arm.ok), "figures": {k: figure(arm, k) for k in keys}}
+
+
+def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
+    """A sweep as the API returns it, with its points and fill against prefill."""
+    sweep, runs = store.get_sweep(engine, sweep_id)
+    public = store.sweep_public(engine, sweep_id, (sweep, runs))
+    public.points, public.fill_vs_prefill = sweep_points(engine, list(sweep.grid), runs)
+    return public
+
+
+# Spec fields every row of a sweep's exported table carries, grid or not.
+TABLE_SPEC_KEYS = ("model", "mode", "input_len", "output_len", "max_concurrency", "request_rate",
+                   "num_prompts")
+
+
+def sweep_table(public: SweepPublic) -> tuple[list[str], list[dict[str, Any]]]:
+    """A sweep's points as one flat table (``GET /api/sweeps/{id}/export``): the columns and
+    one row per point, each figure with its 95% interval, spread and number of trials."""
+    runs = {r.id: r for r in public.runs}
+    keys = [*TABLE_SPEC_KEYS, *(k for k in public.grid if k not in TABLE_SPEC_KEYS)]
+    columns = ["sweep", "point", *keys, "trials", "succeeded", "runs"]
+    for name in POINT_FIGURES:
+        columns += [name, f"{name}_ci_lo", f"{name}_ci_hi", f"{name}_cv", f"{name}_n"]
+    rows = []
+    for p in public.points:
+        spec = runs[p["runs"][0]].spec
+        row: dict[str, Any] = {"sweep": public.id, "point": p["arm"],
+                               **{k: spec_value(spec, k) for k in keys},
+                               "trials": len(p["runs"]), "succeeded": p["succeeded"],
+                               "runs": " ".join(p["runs"])}
+        for name in POINT_FIGURES:
+            fig = p["figures"].get(name) or {}
+            ci = fig.get("ci") or [None, None]
+            row |= {name: fig.get("value"), f"{name}_ci_lo": ci[0], f"{name}_ci_hi": ci[1],
+                    f"{name}_cv": fig.get("cv"), f"{name}_n": fig.get("n")}
+        rows.append(row)
+    return columns, rows

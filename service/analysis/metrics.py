@@ -1,0 +1,398 @@
+"""Per-request samples and the run summary, with the definitions of ``vllm bench serve``.
+
+The numbers follow ``calculate_metrics`` in vLLM's ``benchmarks/serve.py`` and the
+result JSON it saves:
+
+- Only successful requests enter the token counts, the latency statistics and the
+  peaks; failed ones are only counted in ``failed``.
+- TPOT is ``(latency - ttft) / (output_tokens - 1)``, for requests with more than
+  one output token. ITL pools every gap between streamed chunks of every request.
+- Statistics are numpy's over seconds, reported in milliseconds: mean, median,
+  population std, linear-interpolated percentiles; a metric with no values is 0.
+- Goodput counts requests meeting every given SLO (``value <= slo``), with the
+  TPOT of a single-token request taken as 0; without SLOs it is None, as in the
+  result file of vLLM.
+- ``max_output_tokens_per_s`` and ``max_concurrent_requests`` come from one-second
+  buckets counted from the earliest start of a successful request: a token lands at
+  ``start + ttft + itl[0] + ... + itl[k]``, a request is active in every bucket from
+  the one holding its start to the one holding ``start + latency``. Each is the
+  maximum over the buckets on its own (not the concurrency at the token peak).
+
+Beyond vLLM's keys:
+
+- ``decode_{mean,median,p99}_{itl,tpot}_ms`` and ``decode_gaps``: the same statistics
+  over the steady decode window only, the gaps during which no request of the run
+  was waiting for its first token. At concurrency above one a real-prefill run's
+  decode steps also carry other requests' prefills (chunked prefill); these keys
+  compare decode with decode. A request's decode TPOT is the mean of its own
+  steady gaps (its TPOT, had every step been a pure decode step).
+- ``peak_in_flight`` (not a summary key; the run page shows it): the most requests open
+  at one instant. ``max_concurrent_requests`` counts a request in every one-second
+  bucket it touches, so it reads 12 for a concurrency-4 run of sub-second requests.
+- ``run_warnings`` turns samples into warnings; ``bunched_streams`` is the one
+  samples alone can show: streams whose tokens reached the client in bursts
+  instead of one engine step at a time (a starved client), so their gaps are not
+  the server's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import numpy as np
+
+from service.analysis.intervals import pooled_quantile_ci
+
+PERCENTILES: tuple[float, ...] = (50, 90, 95, 99)
+SLO_KEYS: tuple[str, ...] = ("ttft_ms", "tpot_ms", "e2el_ms")
+LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+# No engine step of vLLM takes under 0.1 ms: chunks closer than that arrived together.
+TOGETHER_S = 1e-4
+# Chunks closer than this share of a stream's own TPOT arrived together too.
+TOGETHER_OF_TPOT = 0.1
+# A run warns when at least this share of its streams arrived in bursts...
+BUNCHED_SHARE = 0.1
+# ...or when its pooled median ITL is below this share of its median TPOT.
+ITL_OF_TPOT = 0.5
+
+Summary = dict[str, float | int | list[float] | None]
+
+
+@dataclass
+class Sample:
+    """One request's raw measurement (seconds, ``time.perf_counter`` clock of the client)."""
+
+    index: int
+    prompt_len: int
+    output_tokens: int
+    ttft: float
+    itl: list[float]
+    latency: float
+    start_time: float
+    success: bool
+    error: str = ""
+    due_time: float | None = None
+    sent_time: float | None = None
+    generated_text: str = field(default="", repr=False)
+
+    def counted_output_tokens(self) -> int:
+        """Output tokens as counted for the summary: the server's usage, else one per streamed chunk."""
+        if not self.success:
+            return 0
+        if self.output_tokens:
+            return self.output_tokens
+        # Without usage, vLLM re-tokenizes the text; we have no tokenizer, and with
+        # one token per chunk (vLLM's server streams that way) the count is the same.
+        return len(self.itl) + 1
+
+    def tpot(self) -> float | None:
+        """Time per output token after the first, or None when there is at most one."""
+        n = self.counted_output_tokens()
+        if n <= 1:
+            return None
+        return (self.latency - self.ttft) / (n - 1)
+
+
+def percentile_key(p: float) -> str:
+    """vLLM's name for a percentile: ``p99`` for 99 or 99.0, ``p99.9`` for 99.9."""
+    return f"p{int(p)}" if int(p) == p else f"p{p}"
+
+
+def _stats(name: str, values: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
+    data = np.asarray(values, dtype=np.float64) if values else np.zeros(1)
+    out = {
+        f"mean_{name}_ms": float(np.mean(data)) * 1000,
+        f"median_{name}_ms": float(np.median(data)) * 1000,
+        f"std_{name}_ms": float(np.std(data)) * 1000,
+    }
+    for p in percentiles:
+        out[f"{percentile_key(p)}_{name}_ms"] = float(np.percentile(data, p)) * 1000
+    return out
+
+
+def _is_good(sample: Sample, slos_s: Mapping[str, float]) -> bool:
+    measured = {
+        "ttft_ms": sample.ttft,
+        "tpot_ms": sample.tpot() or 0.0,
+        "e2el_ms": sample.latency,
+    }
+    return all(measured[key] <= limit for key, limit in slos_s.items())
+
+
+def _peaks(ok: Sequence[Sample]) -> tuple[float, int]:
+    if not ok:
+        return 0.0, 0
+    origin = min(s.start_time for s in ok)
+    buckets = math.ceil(max(s.start_time + s.latency for s in ok) - origin) + 1
+    tokens = np.zeros(buckets)
+    active = np.zeros(buckets, dtype=np.int64)
+    for s in ok:
+        # Add the gaps one by one from the first token's time, in vLLM's order, so
+        # that a token right on a second boundary falls into the same bucket.
+        times = _token_times(s)
+        seconds = (times - origin).astype(np.int64)
+        np.add.at(tokens, seconds[(seconds >= 0) & (seconds < buckets)], 1)
+        first = int(s.start_time - origin)
+        last = int(s.start_time + s.latency - origin)
+        active[first : last + 1] += 1
+    return float(tokens.max()), int(active.max())
+
+
+def peak_in_flight(samples: Sequence[Sample]) -> int:
+    """The most successful requests open at one instant (start to start + latency; a request
+    ending as another starts is not two): what ``max_concurrent_requests`` is often taken for."""
+    ok = [s for s in samples if s.success]
+    if not ok:
+        return 0
+    starts = np.array([s.start_time for s in ok], dtype=np.float64)
+    ends = starts + np.array([s.latency for s in ok], dtype=np.float64)
+    times = np.concatenate([starts, ends])
+    steps = np.concatenate([np.ones(starts.size), -np.ones(ends.size)])
+    order = np.lexsort((steps, times))
+    return int(np.cumsum(steps[order]).max())
+
+
+def _token_times(s: Sample) -> np.ndarray:
+    # Same order of additions as _peaks and vLLM: first token, then each gap.
+    return np.cumsum(np.array([s.start_time + s.ttft, *s.itl], dtype=np.float64))
+
+
+def steady_gaps(samples: Sequence[Sample], min_decoding: int = 0) -> list[np.ndarray]:
+    """Per successful request (in order), its gaps during which no request of the run was
+    waiting for its first token (seconds). With ``min_decoding``, only gaps throughout which
+    at least that many requests were decoding (first token seen, last not yet): the batch
+    size a point asks for (costs requests x gaps; for analysis, not for every summary)."""
+    ok = [s for s in samples if s.success]
+    if not ok:
+        return []
+    windows = sorted((s.start_time, s.start_time + s.ttft) for s in ok)
+    starts: list[float] = []
+    ends: list[float] = []
+    for lo, hi in windows:  # merge overlapping waits into disjoint, sorted intervals
+        if ends and lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    w_start, w_end = np.asarray(starts), np.asarray(ends)
+    all_times = [_token_times(s) for s in ok]
+    first = np.array([t[0] for t in all_times])
+    last = np.array([t[-1] for t in all_times])
+    out = []
+    for s, times in zip(ok, all_times, strict=True):
+        gaps = np.asarray(s.itl, dtype=np.float64)
+        # The last wait that began before the gap ended; it overlaps if it ends after the gap began.
+        j = np.searchsorted(w_start, times[1:], side="left") - 1
+        keep = ~((j >= 0) & (w_end[np.maximum(j, 0)] > times[:-1]))
+        if min_decoding > 1:
+            decoding = (first[None, :] <= times[:-1, None]) & (last[None, :] >= times[1:, None])
+            keep &= decoding.sum(axis=1) >= min_decoding
+        out.append(gaps[keep])
+    return out
+
+
+def decode_stats(samples: Sequence[Sample], min_decoding: int = 0) -> Summary:
+    """ITL and TPOT over the steady decode window (see the module docstring), in ms;
+    ``min_decoding`` as for ``steady_gaps``."""
+    per_request = steady_gaps(samples, min_decoding)
+    itl = np.concatenate(per_request) if per_request else np.zeros(0)
+    tpot = np.array([g.mean() for g in per_request if g.size], dtype=np.float64)
+    out: Summary = {"decode_gaps": int(itl.size)}
+    for name, values in (("itl", itl), ("tpot", tpot)):
+        data = values if values.size else np.zeros(1)
+        out[f"decode_mean_{name}_ms"] = float(np.mean(data)) * 1000
+        out[f"decode_median_{name}_ms"] = float(np.median(data)) * 1000
+        out[f"decode_p99_{name}_ms"] = float(np.percentile(data, 99)) * 1000
+    return out
+
+
+def is_bunched(sample: Sample) -> bool:
+    """True when a stream's tokens reached the client in bursts, not one engine step at a
+    time: more than half its gaps are under 0.1 ms or under a tenth of its own TPOT."""
+    if not sample.success or len(sample.itl) < 2:
+        return False
+    limit = max(TOGETHER_S, TOGETHER_OF_TPOT * (sample.tpot() or 0.0))
+    return float(np.median(sample.itl)) < limit
+
+
+def run_warnings(samples: Sequence[Sample], summary: Mapping[str, object]) -> list[dict[str, object]]:
+    """Warnings the samples themselves show, as ``{code, message, figure}``."""
+    streams = [s for s in samples if s.success and len(s.itl) >= 2]
+    if not streams:
+        return []
+    bunched = sum(is_bunched(s) for s in streams)
+    share = bunched / len(streams)
+    itl = summary.get("median_itl_ms")
+    tpot = summary.get("median_tpot_ms")
+    pooled_low = (
+        isinstance(itl, float) and isinstance(tpot, float) and tpot > 0 and itl < ITL_OF_TPOT * tpot
+    )
+    if share < BUNCHED_SHARE and not pooled_low:
+        return []
+    message = (
+        f"{bunched} of {len(streams)} streams reached the client in bursts instead of one token "
+        f"per engine step (median gap under {TOGETHER_OF_TPOT:.0%} of the stream's TPOT)"
+    )
+    if pooled_low:
+        message += f"; median ITL {itl:.3f} ms is below half the median TPOT {tpot:.3f} ms"
+    message += (
+        ": the client did not see tokens when the server sent them (a starved client or a "
+        "buffering proxy), so this run's ITL, and TPOT of those streams, are not meaningful"
+    )
+    return [{"code": "bunched_streams", "message": message, "figure": round(share, 4)}]
+
+
+def _per_second(count: float, duration: float) -> float:
+    return count / duration if duration > 0 else 0.0
+
+
+def summarize(
+    samples: Sequence[Sample],
+    duration: float,
+    goodput: Mapping[str, float] | None = None,
+    percentiles: Sequence[float] = PERCENTILES,
+) -> Summary:
+    """The run summary under vLLM's key names; ``goodput`` holds SLOs in ms (``ttft_ms``, ...)."""
+    slos = dict(goodput or {})
+    unknown = set(slos) - set(SLO_KEYS)
+    if unknown:
+        raise ValueError(f"unknown SLO keys {sorted(unknown)}; known: {list(SLO_KEYS)}")
+    # vLLM compares in seconds against the SLO divided by 1000; so do we, to agree on ties.
+    slos_s = {key: limit / 1000 for key, limit in slos.items()}
+
+    ok = [s for s in samples if s.success]
+    total_input = sum(s.prompt_len for s in ok)
+    total_output = sum(s.counted_output_tokens() for s in ok)
+    good = sum(_is_good(s, slos_s) for s in ok)
+    peak_tokens, peak_active = _peaks(ok)
+
+    summary: Summary = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(samples) - len(ok),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": _per_second(len(ok), duration),
+        "request_goodput": _per_second(good, duration) if slos else None,
+        "output_throughput": _per_second(total_output, duration),
+        "total_token_throughput": _per_second(total_input + total_output, duration),
+        "max_output_tokens_per_s": peak_tokens,
+        "max_concurrent_requests": peak_active,
+    }
+    values: dict[str, list[float]] = {
+        "ttft": [s.ttft for s in ok],
+        "tpot": [t for s in ok if (t := s.tpot()) is not None],
+        "itl": [gap for s in ok for gap in s.itl],
+        "e2el": [s.latency for s in ok],
+    }
+    for name in LATENCY_METRICS:
+        summary.update(_stats(name, values[name], percentiles))
+    summary.update(decode_stats(ok))
+    return summary
+
+
+def _request_rate(value: object) -> object:
+    if value is None or (isinstance(value, float) and math.isinf(value)):
+        return "inf"
+    return value
+
+
+def export_vllm(
+    summary: Mapping[str, object], samples: Sequence[Sample], spec_info: Mapping[str, object]
+) -> dict[str, object]:
+    """The dict ``vllm bench serve --save-result --save-detailed`` would write for this run.
+
+    ``spec_info`` describes the run: ``model`` (model_id), ``tokenizer`` (default: the
+    model), ``backend`` (default ``"openai"``, vLLM's name for a completions client),
+    ``label``, ``num_prompts``, ``request_rate`` (None or inf: ``"inf"``),
+    ``burstiness`` (default 1.0), ``max_concurrency``, ``date`` (``%Y%m%d-%H%M%S``,
+    default now) and ``metadata`` (a mapping merged in, like ``--metadata KEY=VALUE``).
+    Per-request lists are in request index order; ``queue_times`` is the wait between
+    the scheduled time and the POST (0 where no schedule time was kept).
+    """
+    ordered = sorted(samples, key=lambda s: s.index)
+    backend = spec_info.get("backend", "openai")
+    result: dict[str, object] = {
+        "date": spec_info.get("date") or datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": backend,
+        "backend": backend,
+        "label": spec_info.get("label"),
+        "model_id": spec_info.get("model"),
+        "tokenizer_id": spec_info.get("tokenizer", spec_info.get("model")),
+        "num_prompts": spec_info.get("num_prompts", len(ordered)),
+    }
+    metadata = spec_info.get("metadata")
+    if isinstance(metadata, Mapping):
+        result.update({str(k): v for k, v in metadata.items()})
+    result.update({
+        "request_rate": _request_rate(spec_info.get("request_rate")),
+        "burstiness": spec_info.get("burstiness", 1.0),
+        "max_concurrency": spec_info.get("max_concurrency"),
+    })
+    for key in (
+        "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+    ):
+        result[key] = summary.get(key)
+    result.update({
+        "input_lens": [s.prompt_len for s in ordered],
+        "output_lens": [s.counted_output_tokens() for s in ordered],
+        "ttfts": [s.ttft for s in ordered],
+        "itls": [list(s.itl) for s in ordered],
+        "latencies": [s.latency for s in ordered],
+        "start_times": [s.start_time for s in ordered],
+        "queue_times": [
+            s.start_time - s.due_time if s.due_time is not None else 0.0 for s in ordered
+        ],
+        "generated_texts": [s.generated_text for s in ordered],
+        "errors": [s.error for s in ordered],
+        "max_output_tokens_per_s": summary.get("max_output_tokens_per_s"),
+        "max_concurrent_requests": summary.get("max_concurrent_requests"),
+        # Real-time factor of audio benchmarks; always 0 for text, as in vLLM.
+        "rtfx": 0.0,
+    })
+    result.update({k: v for k, v in summary.items() if k.endswith("_ms")})
+    return result
+
+
+# Statistics that get a 95% interval in a run's summary, as ``<key>_ci: [lo, hi]`` (ms).
+# ITL statistics pool the gaps of every request and resample whole requests; the others
+# resample requests' own values (see ``service.analysis.intervals``).
+INTERVAL_QUANTILES: tuple[tuple[str, float], ...] = (("median", 0.5), ("p99", 0.99))
+
+
+def request_values(samples: Sequence[Sample]) -> dict[str, list[np.ndarray]]:
+    """Per successful request, in seconds, the values each latency statistic pools:
+    ``ttft``, ``tpot``, ``e2el`` (one value per request), ``itl`` (its gaps) and
+    ``decode_itl`` / ``decode_tpot`` (its steady-window gaps, and their mean)."""
+    ok = [s for s in samples if s.success]
+    steady = steady_gaps(ok)
+    return {
+        "ttft": [np.array([s.ttft]) for s in ok],
+        "tpot": [np.array([t]) for s in ok if (t := s.tpot()) is not None],
+        "e2el": [np.array([s.latency]) for s in ok],
+        "itl": [np.asarray(s.itl, dtype=np.float64) for s in ok],
+        "decode_itl": steady,
+        "decode_tpot": [np.array([g.mean()]) for g in steady if g.size],
+    }
+
+
+def summary_intervals(samples: Sequence[Sample], seed: int = 0) -> dict[str, list[float]]:
+    """``median_ttft_ms_ci``, ``p99_itl_ms_ci``, ... ``decode_median_itl_ms_ci``: the 95%
+    bootstrap interval (ms) of each latency statistic of the summary, over requests; a
+    statistic with under two requests has none."""
+    values = request_values(samples)
+    out: dict[str, list[float]] = {}
+    for name in LATENCY_METRICS:
+        for stat, q in INTERVAL_QUANTILES:
+            interval = pooled_quantile_ci(values[name], q, seed=seed)
+            if interval is not None:
+                out[f"{stat}_{name}_ms_ci"] = interval.scaled(1000).pair()
+    for name in ("itl", "tpot"):
+        interval = pooled_quantile_ci(values[f"decode_{name}"], 0.5, seed=seed)
+        if interval is not None:
+            out[f"decode_median_{name}_ms_ci"] = interval.scaled(1000).pair()
+    return out

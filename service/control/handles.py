@@ -1,0 +1,69 @@
+"""What the service holds for each vLLM server it can place runs on."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from service.control.procs import log_tail
+
+# How long a dead worker's log copier gets to write what was still in the pipe.
+LAST_WORDS_WAIT_S = 2.0
+
+
+class WorkerError(Exception):
+    """A worker failed to start or died; the message carries its log tail."""
+
+
+@dataclass
+class WorkerHandle:
+    """A vLLM server runs can be placed on: a process this service owns, or a registered
+    server that runs elsewhere (``process`` is None)."""
+
+    id: str
+    key: str
+    url: str
+    port: int
+    served_model: str
+    process: subprocess.Popen[bytes] | None
+    log_path: Path
+    # The thread that copies the process's output to ``log_path``.
+    log_copier: threading.Thread | None = None
+    gpus: list[str] = field(default_factory=list)
+    vocab_size: int | None = None
+    # The run using this worker now (one at a time, so runs never disturb each other).
+    busy_run: str | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    # Healthy at least once: until then no run may be placed on it.
+    ready: bool = False
+    # Tokens the server's KV cache holds, as it reports on /metrics (None if it does not say).
+    kv_tokens: int | None = None
+    # CPU workers: the binding variables it was started with and the cores vLLM reports.
+    cpu_binding: dict[str, Any] | None = None
+    # Registered servers: the last probe's complaint, and when last_seen_at was last written.
+    last_problem: str | None = None
+    seen_written: float = 0.0
+
+    @property
+    def external(self) -> bool:
+        """True for a registered server this service did not start."""
+        return self.process is None
+
+    def alive(self) -> bool:
+        """True while the worker's main process has not exited. A registered server has no
+        process here; whether it answers is for its health probes to say."""
+        return self.process is None or self.process.poll() is None
+
+    def tail(self) -> str:
+        """The last lines of the worker's log, or where to look for a registered server's.
+        Of a worker that has exited, its last words are waited for (up to a moment) to be
+        copied from its pipe to the file first."""
+        if self.external:
+            return f"(registered server {self.url}: its log is on the host that runs it)"
+        if self.log_copier is not None and not self.alive():
+            self.log_copier.join(timeout=LAST_WORDS_WAIT_S)
+        return log_tail(self.log_path)

@@ -1,0 +1,231 @@
+"""vLLM worker processes: start, wait until healthy, stop, and clean up after a crash.
+
+Each worker leads a process group of its own (in the service's session: see
+``service.control.procs``) so that stopping it reaches the engine core and worker processes
+vLLM spawns. Health is polled with a deadline while watching for early exit, and a
+failure carries the last lines of the worker's log file so the user sees why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine
+
+from service.control import provenance
+from service.control.cpu_binding import binding_env, parse_binding_log
+from service.control.handles import WorkerError, WorkerHandle
+from service.control.procs import (
+    WORKER_ENV,
+    NoFreePort,
+    drain_to_capped_file,
+    free_port,
+    is_our_worker,
+    kill_group,
+    log_head,
+    log_tail,
+    stop_process_group,
+)
+from service.control.registered import RegisteredServers
+from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
+from service.core.ids import new_id, utcnow
+from service.core.spec import RunSpec
+from service.settings import Settings
+from service.storage import store
+from service.storage.store import hash_token
+from service.storage.tables import Worker
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Launcher(RegisteredServers):
+    """Owns the vLLM worker processes of this service, and the registered servers it drives."""
+
+    def __init__(self, settings: Settings, engine: Engine, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.client = client
+        self.workers: dict[str, WorkerHandle] = {}
+        self.tokens: dict[str, str] = {}
+
+    async def start(self, spec: RunSpec, gpus: list[str]) -> WorkerHandle:
+        """Start a worker for ``spec``'s model and engine and wait until it is healthy."""
+        worker_id = new_id("w")
+        token = secrets.token_urlsafe(32)
+        try:
+            port = free_port({h.port for h in self.workers.values()})
+        except NoFreePort as exc:
+            raise WorkerError(str(exc)) from None
+        argv, model_path = worker_argv(self.settings, spec, port, token, gpus)
+        self.settings.logs_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.settings.logs_dir / f"{worker_id}.log"
+        url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ)
+        env[WORKER_ENV] = worker_id
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        cpu_binding: dict[str, Any] | None = None
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            # GPU ids are NVML's (and nvidia-smi's) numbers, in PCI bus order; CUDA's own
+            # default puts the fastest GPU first. A site that chose an order keeps it.
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        else:
+            # The same thread layout whatever the worker loads: see service/control/cpu_binding.py.
+            chosen = binding_env(spec.engine.tensor_parallel_size, os.environ)
+            env.update(chosen)
+            cpu_binding = {"env": chosen}
+        await asyncio.to_thread(store.add_worker, self.engine, Worker(
+            id=worker_id,
+            key=spec.worker_key(),
+            model=spec.model,
+            engine=spec.engine.model_dump(),
+            url=url,
+            port=port,
+            token_hash=hash_token(token),
+            log_path=str(log_path),
+            gpus=",".join(gpus),
+            cpu_binding=cpu_binding,
+            provenance={"launch": provenance.launch(argv, env, token)},
+        ))
+        log.info("starting worker %s for %s on port %s", worker_id, spec.model, port)
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(self.settings.data_dir),
+            # Its own process group (stopped as one), in the service's session: see
+            # ``service.control.procs.SAME_SESSION``.
+            process_group=0,
+        )
+        assert process.stdout is not None
+        copier = threading.Thread(
+            target=drain_to_capped_file,
+            args=(process.stdout, log_path, self.settings.worker_log_max_bytes),
+            name=f"log-{worker_id}",
+            daemon=True,
+        )
+        copier.start()
+        # No await from here until the handle is held: a run cancelled in between would
+        # leave this process running with nothing to stop it.
+        handle = WorkerHandle(
+            id=worker_id,
+            key=spec.worker_key(),
+            url=url,
+            port=port,
+            served_model=spec.model,
+            process=process,
+            log_path=log_path,
+            log_copier=copier,
+            gpus=gpus,
+            vocab_size=model_vocab_size(model_path),
+            cpu_binding=cpu_binding,
+        )
+        self.workers[worker_id] = handle
+        self.tokens[worker_id] = token
+        try:
+            await asyncio.to_thread(store.update_worker, self.engine, worker_id, pid=process.pid)
+            await self._wait_healthy(handle)
+            handle.kv_tokens = await kv_capacity(self.client, handle.url)
+            if cpu_binding is not None:
+                # What vLLM made of the variables, as its worker logged it while starting.
+                cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
+                handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
+            await asyncio.to_thread(store.update_worker, self.engine, worker_id, status="ready",
+                                    ready_at=utcnow(), kv_tokens=handle.kv_tokens,
+                                    cpu_binding=cpu_binding)
+        except BaseException as exc:
+            # Not ready and not anyone's: a worker whose start did not finish is stopped.
+            reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
+            await self.stop(handle, status="failed", error=reason)
+            raise
+        # Ready only now, with no await before the caller takes it for its run: a ready
+        # worker that is not busy is idle to placement, which would give it to a queued
+        # run of the same kind while the run it was started for is still waiting for it.
+        handle.ready = True
+        log.info("worker %s ready at %s", worker_id, url)
+        return handle
+
+    async def _wait_healthy(self, handle: WorkerHandle) -> None:
+        assert handle.process is not None, "only started workers are waited for"
+        deadline = time.monotonic() + self.settings.worker_start_timeout_s
+        while True:
+            code = handle.process.poll()
+            if code is not None:
+                raise WorkerError(
+                    f"vLLM server exited with code {code} before it became healthy; "
+                    f"last log lines:\n{log_tail(handle.log_path)}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                response = await self.client.get(f"{handle.url}/health", timeout=2.0)
+                if response.status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"vLLM server not healthy after {self.settings.worker_start_timeout_s:.0f} s; "
+                    f"last log lines:\n{log_tail(handle.log_path)}"
+                )
+            await asyncio.sleep(0.5)
+
+    async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
+        """Stop the worker's whole process group: SIGTERM, then SIGKILL after the grace period.
+        A registered server is not ours to stop: it is marked unavailable until it answers again."""
+        if handle.process is None:
+            await self.set_unavailable(handle, error or status)
+            return
+        self.workers.pop(handle.id, None)
+        self.tokens.pop(handle.id, None)
+        await asyncio.to_thread(stop_process_group, handle.process, self.settings.worker_stop_grace_s)
+        await asyncio.to_thread(store.update_worker, self.engine, handle.id, status=status,
+                                stopped_at=utcnow(), error=error)
+        log.info("worker %s %s", handle.id, status)
+
+    async def stop_all(self) -> None:
+        """Stop every worker this service started (registered servers stay registered)."""
+        for handle in list(self.workers.values()):
+            if not handle.external:
+                await self.stop(handle, error="the service shut down")
+
+    async def mark_dead(self, handle: WorkerHandle, error: str) -> None:
+        """Record that a worker died on its own; its group is still stopped."""
+        if handle.process is None:
+            await self.set_unavailable(handle, error)
+            return
+        self.workers.pop(handle.id, None)
+        self.tokens.pop(handle.id, None)
+
+        def bury(process: subprocess.Popen[bytes]) -> None:
+            stop_process_group(process, 0)
+            store.update_worker(self.engine, handle.id, status="failed", stopped_at=utcnow(), error=error)
+
+        await asyncio.to_thread(bury, handle.process)
+
+    def reap_orphans(self) -> int:
+        """After a crash: stop process groups of workers a previous service left behind.
+        Blocking (database and process work): call it from a thread."""
+        stopped = 0
+        for worker in store.local_workers_alive(self.engine):
+            if worker.pid is not None and is_our_worker(worker.pid, worker.id):
+                log.warning("stopping orphaned worker %s (pid %s)", worker.id, worker.pid)
+                kill_group(worker.pid, self.settings.worker_stop_grace_s)
+                stopped += 1
+            store.update_worker(self.engine, worker.id, status="stopped", stopped_at=utcnow(),
+                                error="service restarted; worker stopped")
+        return stopped
+
+

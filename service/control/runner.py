@@ -1,0 +1,483 @@
+"""One run, one owner: from its placement to its final status.
+
+The runner gets the run's worker (reused, or started after the idle workers its
+placement evicts are stopped), starts its load drivers (``service.load.driver``), keeps
+its samples as they arrive (persisted in batches, each sample exactly once), watches
+the worker, summarises, and writes the final status. Every way a run can end goes
+through ``_end`` (one error path); if even that write fails, ``ensure_ended`` (called by
+the scheduler after the runner returns) tries again, so no run stays ``running``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+from sqlalchemy import Engine
+
+from service.analysis.checks import (
+    Point,
+    asked_concurrency,
+    client_warnings,
+    connector_verdict,
+    dummy_moe,
+    infeasible,
+    server_warnings,
+)
+from service.analysis.metrics import Sample, run_warnings, summarize, summary_intervals
+from service.analysis.server_metrics import RUNNING, WAITING, Scraper
+from service.analysis.server_metrics import Point as ScrapedPoint
+from service.analysis.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
+from service.analysis.stopping import record as stop_record
+from service.control import hub, provenance
+from service.control.handles import WorkerError, WorkerHandle
+from service.control.local import Launcher
+from service.control.vllm_cli import local_model_config
+from service.core.ids import utcnow
+from service.core.protocol import connector_totals
+from service.core.spec import RunSpec, describe, effective_load_format
+from service.core.status import RunStatus
+from service.load.driver import DriverError, DriverPool, Drivers
+from service.settings import Settings
+from service.storage import store
+
+log = logging.getLogger(__name__)
+
+# Samples reach the database at least this often while a run is measured, so a crash of
+# the service loses at most this much of a run; progress is read from them.
+PERSIST_EVERY_S = 0.5
+WATCH_EVERY_S = 0.5
+# Tries (with a growing pause) for the write that ends a run.
+END_TRIES = 5
+# After the last response, the connector's counters for the run are awaited this long.
+REPORT_WAIT_S = 3.0
+# A stop rule's interval is checked this often at most, and never more often than every
+# STOP_CHECK_SHARE-th of the time (the check's own cost makes it wait longer on a big
+# run, so it never takes more than a few percent of a core from the measurement).
+STOP_CHECK_S = 1.0
+STOP_CHECK_SHARE = 20
+# A stream may be silent for this many times the run's longest time to first token
+# before its worker counts as hung (``Settings.stall_s`` is the floor).
+STALL_TTFT_FACTOR = 3.0
+# Before a run's first token, a real prefill is allowed this slow (tokens per second): a
+# 131,072-token prompt gets 131 s. Far below any GPU's; about a 2-core CPU's for a 1B
+# model.
+SLOWEST_PREFILL_TOKENS_S = 1000.0
+
+
+@dataclass
+class Placement:
+    """Where a run goes: an idle worker of its kind, or GPUs for a new worker (after
+    stopping the idle workers in ``evict``)."""
+
+    key: str
+    reuse: WorkerHandle | None = None
+    gpus: list[str] = field(default_factory=list)
+    evict: list[WorkerHandle] = field(default_factory=list)
+
+
+class RunFailed(Exception):
+    """The run cannot succeed; the message is its error as the user reads it."""
+
+
+class Runner:
+    """Owns one placed run until it is succeeded, failed or cancelled."""
+
+    def __init__(self, settings: Settings, engine: Engine, launcher: Launcher, drivers: DriverPool,
+                 run_id: str, spec: RunSpec, placement: Placement,
+                 cancelled_by_user: Callable[[], bool]) -> None:
+        self.settings = settings
+        self.drivers = drivers
+        self.engine = engine
+        self.launcher = launcher
+        self.run_id = run_id
+        self.spec = spec
+        self.placement = placement
+        self.cancelled_by_user = cancelled_by_user
+        self.samples: list[Sample] = []
+        self._saved = 0
+        # The worker's /metrics during the run, ``t`` on the samples' clock (perf_counter).
+        self.points: list[Point] = []
+        self._saved_points = 0
+        self._persisting = asyncio.Lock()
+        self.beats: list[dict[str, float]] = []
+        self.handle: WorkerHandle | None = None
+        # ``Run.stopped_by`` once the sending stopped (see ``service.analysis.stopping``).
+        self.stopped_by: dict[str, Any] | None = None
+        # The longest time to first token of the run so far (s): a prefill this long is
+        # not a hang (see ``_stalled``).
+        self._longest_ttft = 0.0
+
+    # ------------------------------------------------------------ samples
+
+    async def persist(self) -> None:
+        """Save the samples not saved yet and the progress counts (in a thread: database
+        work never runs on the event loop). One save at a time."""
+        async with self._persisting:
+            new = self.samples[self._saved:]
+            points = self.points[self._saved_points:]
+            ok = sum(s.success for s in self.samples)
+            failed = len(self.samples) - ok
+
+            def save() -> None:
+                if new:
+                    store.save_samples(self.engine, self.run_id, new)
+                if points:
+                    store.save_server_points(self.engine, self.run_id, points)
+                store.update_fields(self.engine, self.run_id, completed=ok, failed=failed)
+
+            await asyncio.to_thread(save)
+            self._saved += len(new)
+            self._saved_points += len(points)
+
+    async def _persist_every(self) -> None:
+        while True:
+            await asyncio.sleep(PERSIST_EVERY_S)
+            try:
+                await self.persist()
+            except Exception:
+                # A locked or full database must not end the measurement; the next
+                # batch (or the run's end) tries again.
+                log.exception("run %s: saving samples failed; will retry", self.run_id)
+
+    # ------------------------------------------------------------ the run
+
+    async def run(self) -> None:
+        """Run to an end state. Cancellation by the service (shutdown) fails the run and
+        propagates; a user's cancel keeps the ``cancelled`` status and the samples."""
+        reuse = self.placement.reuse
+        if reuse is not None and reuse.external and not await self._healthy(reuse):
+            # A registered server can go away between two probes: the run stays queued
+            # for the next server that answers instead of failing on this one.
+            await self.launcher.set_unavailable(reuse, "did not answer /health as a run was about to start")
+            return
+        if not await asyncio.to_thread(store.transition, self.engine, self.run_id, RunStatus.starting):
+            return
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if self.cancelled_by_user():
+                await self._end(None, "")  # the API already moved it to ``cancelled``
+                return
+            await self._end(RunStatus.failed, "the service stopped while this run was in progress")
+            raise
+        except (WorkerError, DriverError, RunFailed) as exc:
+            await self._end(RunStatus.failed, str(exc))
+        except Exception as exc:
+            log.exception("run %s failed", self.run_id)
+            await self._end(RunStatus.failed, f"internal error: {type(exc).__name__}: {exc}")
+
+    async def _run(self) -> None:
+        handle = self.handle = await self._worker()
+        await asyncio.to_thread(store.count_worker_run, self.engine, handle.id)
+        # The worker id goes in before the first request: the connector's
+        # pull is only answered for runs assigned to the asking worker.
+        await asyncio.to_thread(store.update_fields, self.engine, self.run_id, worker_id=handle.id,
+                                cpu_binding=handle.cpu_binding)
+        await asyncio.to_thread(
+            store.snapshot_provenance, self.engine, self.run_id, handle.id,
+            effective_load_format(self.spec.model, self.spec.engine.load_format), handle.kv_tokens,
+            provenance.service_facts())
+        spec = self.spec
+        batch = asked_concurrency(spec.max_concurrency, spec.prompt_budget(), spec.request_rate)
+        reason = infeasible(batch or 1, spec.longest_request_tokens(), handle.kv_tokens)
+        if reason is not None:
+            raise RunFailed(reason)
+        if not await asyncio.to_thread(store.transition, self.engine, self.run_id, RunStatus.running,
+                                       started_at=utcnow()):
+            return
+        duration, sent, rule = await self._measure(handle)
+        # The interval over every answered request (the rule was checked on fewer).
+        interval = await asyncio.to_thread(itl_interval, list(self.samples))
+        if rule is None:
+            rule = MAX_PROMPTS if spec.stop is not None else NUM_PROMPTS
+        self.stopped_by = stop_record(rule, spec, sent, interval)
+        if not handle.alive():
+            tail = handle.tail()
+            await self.launcher.mark_dead(handle, "exited during a run")
+            raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+        samples = self.samples
+        summary = summarize(samples, duration, self.spec.goodput.model_dump(exclude_none=True))
+        # Beside vLLM's keys: each latency statistic's 95% interval over requests.
+        summary.update(await asyncio.to_thread(summary_intervals, samples))
+        ok = [s for s in samples if s.success]
+        if len(ok) < len(samples) and not await self._healthy(handle):
+            # A server that stopped answering is not reused: the next run gets a new one.
+            tail = handle.tail()
+            await self.launcher.stop(handle, status="failed", error="stopped answering")
+            raise WorkerError(
+                f"vLLM server stopped answering during the run ({len(samples) - len(ok)} "
+                f"requests failed); last log lines:\n{tail}"
+            )
+        if not ok:
+            first_error = next((s.error for s in samples if s.error), "no request succeeded")
+            await self._end(RunStatus.failed, f"every request failed; first error: {first_error}\n"
+                      f"last log lines of the vLLM server:\n{handle.tail()}", summary=summary)
+            return
+        # Only a run whose requests came back is judged on the connector's account (a dead
+        # or failing server has its own, clearer reason above).
+        answered = len(ok) + self.spec.warmup_prompts
+        totals = await self._connector_totals(answered)
+        failure, warnings = connector_verdict(totals, self.spec.mode, answered)
+        if failure is not None:
+            await self._end(RunStatus.failed, failure, summary=summary)
+            return
+        open_loop = self.spec.request_rate is not None
+        warnings = [
+            *run_warnings(samples, summary),
+            *warnings,
+            *server_warnings(self.points, samples, batch,
+                             recomputed=int(totals.get("recomputed_requests", 0))),
+            *client_warnings(samples, self.beats, open_loop),
+            *dummy_moe(effective_load_format(spec.model, spec.engine.load_format),
+                       local_model_config(self.settings, spec.model)),
+        ]
+        await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings)
+
+    async def _connector_totals(self, answered: int) -> dict[str, Any]:
+        """The connector's counters for this run once they account for the ``answered``
+        requests (both sides report shortly after a request ends), or what is there after
+        ``REPORT_WAIT_S``."""
+        deadline = time.monotonic() + REPORT_WAIT_S
+        tp = self.spec.engine.tensor_parallel_size
+        while True:
+            run = await asyncio.to_thread(store.get_run, self.engine, self.run_id)
+            totals = connector_totals((run.connector or {}).get("ranks", {}))
+            complete = totals["requests_seen"] >= answered and (
+                totals["filled_requests"] == 0
+                or (totals["worker_ranks"] >= tp and totals["requests_filled"] >= totals["filled_requests"])
+            )
+            if complete or time.monotonic() >= deadline:
+                return totals
+            await asyncio.sleep(0.1)
+
+    async def _worker(self) -> WorkerHandle:
+        if self.placement.reuse is not None:
+            return self.placement.reuse
+        # A stored spec skipped the filesystem checks (``RunSpec.stored``): a model
+        # directory can have gone since the run was queued. Checked before any warm
+        # worker is stopped for this run. So is a hub model that left the cache.
+        problem = await asyncio.to_thread(spec_problem, self.spec) or await asyncio.to_thread(
+            hub.model_problem, self.spec.model, self.settings.hub_check)
+        if problem is not None:
+            raise RunFailed(problem)
+        for handle in self.placement.evict:
+            await self.launcher.stop(handle, error=f"stopped to make room for run {self.run_id} "
+                                                   f"({self.spec.model})")
+        handle = await self.launcher.start(self.spec, self.placement.gpus)
+        handle.busy_run = self.run_id
+        return handle
+
+    async def _stop_when_known(self, drivers: Drivers) -> None:
+        """Tell the drivers to stop sending once the interval rule of the run's stop
+        spec is met (checked on the samples so far, off the event loop)."""
+        checked = 0
+        while True:
+            await asyncio.sleep(STOP_CHECK_S)
+            if len(self.samples) == checked:
+                continue
+            checked = len(self.samples)
+            began = time.perf_counter()
+            interval = await asyncio.to_thread(itl_rule_met, self.spec, list(self.samples))
+            if interval is not None:
+                await drivers.stop_sending(ITL_CI)
+                return
+            await asyncio.sleep((time.perf_counter() - began) * STOP_CHECK_SHARE)
+
+    async def _measure(self, handle: WorkerHandle) -> tuple[float, int, str | None]:
+        """Drive the load from driver processes while watching the worker; return the
+        duration, the measured requests sent and the stop rule that ended the sending
+        (None: all were sent). Samples land in ``self.samples`` as they arrive."""
+        drivers = Drivers.for_run(
+            self.run_id, self.spec, handle.url, handle.served_model, handle.vocab_size,
+            self.settings.request_timeout_s, self.drivers, self.settings.driver_hang_s,
+        )
+        self.beats = drivers.beats
+        failures = [0]
+
+        def on_sample(sample: Sample) -> None:
+            self.samples.append(sample)
+            if not sample.success:
+                failures[0] += 1
+            elif sample.ttft > self._longest_ttft:
+                self._longest_ttft = sample.ttft
+
+        # At the start and end always; during the run only when asked (``scrape_every_s``):
+        # a scrape stalls every open stream of the server (see ``Settings``).
+        every_s = self.settings.scrape_every_s
+        scraper = Scraper(self.launcher.client, handle.url, every_s=every_s or 1.0)
+        # Scrapes are stamped with the wall clock; samples with perf_counter (one clock for
+        # every process of this machine): points are moved onto the samples' clock.
+        to_perf = time.perf_counter() - time.time()
+
+        def on_point(point: ScrapedPoint) -> None:
+            self.points.append((point.t + to_perf, point.values))
+
+        if (first := await scraper.scrape()) is not None:
+            on_point(first)
+        measure = asyncio.create_task(drivers.run(on_sample))
+        watchdog = asyncio.create_task(self._watch(handle, failures, drivers))
+        persister = asyncio.create_task(self._persist_every())
+        scraping = asyncio.create_task(scraper.run(on_point))
+        if not every_s:
+            scraping.cancel()
+        stopper = asyncio.create_task(self._stop_when_known(drivers))
+        if self.spec.stop is None or self.spec.stop.itl_ci_pct is None:
+            stopper.cancel()
+        try:
+            await asyncio.wait({measure, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not measure.done():
+                # The worker died or hung: stop sending, keep what was measured.
+                measure.cancel()
+                await asyncio.gather(measure, return_exceptions=True)
+                raise watchdog.result()
+            duration = measure.result()
+            scraping.cancel()
+            await asyncio.gather(scraping, return_exceptions=True)
+            if (last := await scraper.scrape()) is not None:
+                on_point(last)
+            rule = drivers.stopped_rule
+            if rule is not None and drivers.sent >= self.spec.prompt_budget():
+                rule = None  # every request was sent before the rule was met
+            return duration, drivers.sent, rule
+        finally:
+            tasks = (measure, watchdog, persister, scraping, stopper)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _end(self, status: RunStatus | None, error: str | None, **fields: object) -> None:
+        """The one way out: save what is left of the samples and write the end state
+        (``status`` None: keep the status the API set). Retried; never raises."""
+        ok = sum(s.success for s in self.samples)
+        counts: dict[str, Any] = {"completed": ok, "failed": len(self.samples) - ok}
+        if self.stopped_by is not None:
+            counts["stopped_by"] = self.stopped_by
+            if self.spec.stop is not None:
+                # A run that stopped early sent fewer than its budget: that is its total.
+                counts["total"] = len(self.samples)
+        for attempt in range(END_TRIES):
+            try:
+                await self.persist()
+                if status is not None:
+                    extra = {"error": error} if error else {}
+                    await asyncio.to_thread(store.transition, self.engine, self.run_id, status,
+                                            **counts, **extra, **fields)
+                return
+            except Exception:
+                log.exception("run %s: writing its end state failed (try %d of %d)",
+                              self.run_id, attempt + 1, END_TRIES)
+                await asyncio.sleep(0.05 * 2 ** attempt)
+
+    async def _healthy(self, handle: WorkerHandle) -> bool:
+        """True if the worker is alive and answers /health within a few seconds."""
+        if not handle.alive():
+            return False
+        try:
+            response = await self.launcher.client.get(f"{handle.url}/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def stall_limit(self) -> float:
+        """Seconds without a byte on any open stream after which the worker has hung:
+        ``stall_s``, or more where a prefill may be that silent (one step of the engine
+        can hold a whole prompt's prefill, and every stream waits for it). That is
+        three times the run's longest time to first token so far; before the first, for
+        a real prefill, its longest prompt at ``SLOWEST_PREFILL_TOKENS_S``."""
+        if self._longest_ttft > 0:
+            return max(self.settings.stall_s, STALL_TTFT_FACTOR * self._longest_ttft)
+        if self.spec.mode == "prefill":
+            longest = math.floor(self.spec.input_len * (1 + self.spec.range_ratio))
+            return max(self.settings.stall_s, longest / SLOWEST_PREFILL_TOKENS_S)
+        return self.settings.stall_s
+
+    async def _stalled(self, handle: WorkerHandle, drivers: Drivers) -> WorkerError | None:
+        """A ``WorkerError`` when streams are open and none got a byte for ``stall_limit``
+        (the worker's /health may still answer: a stuck engine keeps its API server up)."""
+        progress = drivers.quiet()
+        if progress is None:
+            return None
+        open_now, quiet = progress
+        limit = self.stall_limit()
+        if open_now == 0 or quiet < limit:
+            return None
+        said = await self._engine_says(handle)
+        tail = handle.tail()
+        await self.launcher.stop(handle, status="failed",
+                                 error=f"hung: no token on any open stream for {quiet:.0f} s")
+        return WorkerError(
+            f"vLLM server hung: none of the {open_now} open streams got a token for {quiet:.0f} s "
+            f"(the limit: {limit:.0f} s; DECODEBENCH_STALL_S sets it, and it is more where a "
+            f"prefill may be that silent), while {said}; last log lines:\n{tail}"
+        )
+
+    async def _engine_says(self, handle: WorkerHandle) -> str:
+        """What the worker's /metrics says it is doing, in words for an error message."""
+        point = await Scraper(self.launcher.client, handle.url).scrape()
+        if point is None:
+            return "its /metrics did not answer"
+        running = point.values.get(RUNNING)
+        waiting = point.values.get(WAITING)
+        if running is None:
+            return "its /metrics did not say how many requests it runs"
+        return f"it reported {running:.0f} requests running and {waiting or 0:.0f} waiting"
+
+    async def _watch(self, handle: WorkerHandle, failures: list[int], drivers: Drivers) -> WorkerError:
+        """Return (never raise) once the worker has died, hung (``_stalled``), or stopped
+        answering after a failed request; until then, watch."""
+        checked = 0
+
+        async def exited() -> WorkerError:
+            tail = handle.tail()
+            await self.launcher.mark_dead(handle, "exited during a run")
+            return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            if not handle.alive():
+                return await exited()
+            if failures[0] > checked:
+                checked = failures[0]
+                if not await self._healthy(handle):
+                    # A dying server refuses connections a moment before it is reaped.
+                    await asyncio.sleep(WATCH_EVERY_S)
+                    if not handle.alive():
+                        return await exited()
+                    tail = handle.tail()
+                    await self.launcher.stop(handle, status="failed", error="stopped answering")
+                    return WorkerError(
+                        f"vLLM server stopped answering during the run ({checked} requests "
+                        f"failed); last log lines:\n{tail}"
+                    )
+            if (hung := await self._stalled(handle, drivers)) is not None:
+                return hung
+
+
+def spec_problem(spec: RunSpec) -> str | None:
+    """Why ``spec`` would be refused if it were submitted now (None: it would not)."""
+    try:
+        RunSpec.model_validate(spec.model_dump())
+    except ValidationError as exc:
+        return f"the run's spec is no longer valid: {describe(exc)}"
+    return None
+
+
+def ensure_ended(engine: Engine, run_id: str) -> None:
+    """After a runner returned: a run it left ``starting`` or ``running`` (its end write
+    failed every try) is failed now, so it never waits for a restart to end."""
+    with contextlib.suppress(Exception):
+        run = store.get_run(engine, run_id)
+        if run.status in (RunStatus.starting.value, RunStatus.running.value):
+            store.transition(engine, run_id, RunStatus.failed,
+                             error="the run's end could not be recorded (database error); "
+                             "see the service log")
+

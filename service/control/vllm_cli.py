@@ -1,0 +1,126 @@
+"""The vLLM server command line: engine flags, the connector's KV transfer config, the
+argv of a worker this service starts and the ``vllm serve`` line of a registered one."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from service.core.servers import WorkerRegister
+from service.core.spec import EngineSpec, FillSpec, RunSpec, effective_load_format
+from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model
+from service.settings import Settings
+
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def read_model_config(model_path: str | Path) -> dict[str, Any] | None:
+    """A model directory's config.json, or None if it cannot be read as a JSON object."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def model_vocab_size(model_path: str) -> int | None:
+    """The vocabulary size a model directory's config.json gives, if it gives one."""
+    vocab = (read_model_config(model_path) or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) else None
+
+
+def local_model_config(settings: Settings, model: str) -> dict[str, Any] | None:
+    """The config.json of a model on this machine (the bundled tiny model or a local
+    directory); None for a hub id, whose config only the vLLM server fetches."""
+    if model == TINY_MODEL_NAME:
+        return read_model_config(ensure_tiny_model(settings.models_dir))
+    if model.startswith("/"):
+        return read_model_config(model)
+    return None
+
+
+def kv_transfer_config(control_url: str, token: str, mean: float, std: float) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` that loads the FillConnector, pulling from ``control_url``."""
+    return {
+        "kv_connector": "FillConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "control_url": control_url,
+            "worker_token": token,
+            "fill_mean": mean,
+            "fill_std": std,
+        },
+    }
+
+
+def engine_flags(model: str, engine: EngineSpec, on_cpu: bool) -> list[str]:
+    """vLLM server flags for an engine spec (CPU defaults where vLLM's own fail on CPU)."""
+    flags = [
+        "--dtype", engine.dtype or ("float32" if on_cpu else "auto"),
+        "--tensor-parallel-size", str(engine.tensor_parallel_size),
+    ]  # fmt: skip
+    mem = engine.gpu_memory_utilization or (0.3 if on_cpu else None)
+    if mem is not None:
+        flags += ["--gpu-memory-utilization", str(mem)]
+    if engine.max_model_len is not None:
+        flags += ["--max-model-len", str(engine.max_model_len)]
+    if effective_load_format(model, engine.load_format) == "dummy":
+        flags += ["--load-format", "dummy"]
+    if on_cpu:
+        flags += ["--enforce-eager"]
+    return flags + list(engine.extra_args)
+
+
+def serve_command(body: WorkerRegister, control_url: str, token: str) -> tuple[str, dict[str, Any]]:
+    """The ``vllm serve`` line a registered server is to be started with, and its KV config."""
+    fill = FillSpec()
+    config = kv_transfer_config(control_url, token, fill.mean, fill.std)
+    port = urlsplit(body.url).port or 8000
+    argv = [
+        "vllm", "serve", body.model, "--served-model-name", body.model,
+        "--host", "0.0.0.0", "--port", str(port),
+        "--kv-transfer-config", json.dumps(config, separators=(",", ":")),
+        *engine_flags(body.model, body.engine, on_cpu=False),
+    ]  # fmt: skip
+    return shlex.join(argv), config
+
+
+def worker_argv(settings: Settings, spec: RunSpec, port: int, token: str,
+                gpus: list[str]) -> tuple[list[str], str]:
+    """A started worker's argv (never a shell string) and the model path it serves."""
+    tiny = spec.model == TINY_MODEL_NAME
+    model_path = str(ensure_tiny_model(settings.models_dir)) if tiny else spec.model
+    kv_config = kv_transfer_config(settings.control_base_url(), token, spec.fill.mean, spec.fill.std)
+    argv = [
+        *settings.worker_command(),
+        "--model", model_path,
+        "--served-model-name", spec.model,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--kv-transfer-config", json.dumps(kv_config),
+        *engine_flags(spec.model, spec.engine, on_cpu=not gpus),
+    ]  # fmt: skip
+    return argv, model_path
+
+
+async def kv_capacity(client: httpx.AsyncClient, url: str) -> int | None:
+    """KV cache size in tokens from vLLM's ``cache_config_info`` metric, if it is there."""
+    try:
+        text = (await client.get(f"{url}/metrics", timeout=10.0)).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(_LABEL.findall(line))
+            try:
+                return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            except (KeyError, ValueError):
+                return None
+    return None

@@ -1,0 +1,1 @@
+"""Records shared by every plane: run spec, status machine, connector protocol, the one Sample."""

@@ -1,0 +1,104 @@
+"""The connector's wire protocol, service side: what the connector pulls (``FillAnswer``),
+the counters it reports per run (``ConnectorReport``) and how they add up over ranks
+(``connector_totals``), and what it reports of the server it runs in (``WorkerProvenance``).
+The connector speaks the same JSON from its side (``connector.params``, ``connector.report``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+)
+
+from service.core.spec import Int, Strict
+
+Counter = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]
+
+
+class RunCounters(Strict):
+    """One run's cumulative counters from one connector side."""
+
+    requests_seen: Counter | None = None
+    filled_requests: Counter | None = None
+    prefill_requests: Counter | None = None
+    cached_requests: Counter | None = None
+    unresolved_requests: Counter | None = None
+    dropped_requests: Counter | None = None
+    recomputed_requests: Counter | None = None
+    waited_requests: Counter | None = None
+    error: Annotated[str, Field(max_length=1000)] | None = None
+    requests_filled: Counter | None = None
+    blocks_filled: Counter | None = None
+    bytes_filled: Counter | None = None
+    fill_seconds: Counter | None = None
+
+
+class ConnectorReport(Strict):
+    """Cumulative counters one connector side (role, rank) keeps per run."""
+
+    role: Literal["scheduler", "worker"]
+    rank: Int = Field(ge=0, le=1024)
+    runs: dict[Annotated[str, Field(max_length=64)], RunCounters] = Field(max_length=4096)
+
+    def counters(self) -> dict[str, dict[str, float | str]]:
+        """Per run, the counters that were sent."""
+        return {run: c.model_dump(exclude_none=True) for run, c in self.runs.items()}
+
+
+SCHEDULER_COUNTERS = ("requests_seen", "filled_requests", "prefill_requests", "cached_requests",
+                      "unresolved_requests", "dropped_requests", "recomputed_requests",
+                      "waited_requests")
+
+
+def connector_totals(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One run's connector report. The scheduler side decides per request (its counters
+    add up); every worker rank fills the same blocks of its own heads, so requests and
+    blocks are per rank: ``requests_filled`` is the rank that filled fewest (a rank that
+    missed a fill shows), bytes add up, and time is the slowest rank's.
+    ``other_requests`` (not treated as the run's mode says) must be 0 for a run to succeed."""
+    workers = [c for key, c in ranks.items() if key.startswith("worker:")]
+    schedulers = [c for key, c in ranks.items() if key.startswith("scheduler:")]
+    total: dict[str, Any] = {}
+    for name in SCHEDULER_COUNTERS:
+        total[name] = int(sum(c.get(name, 0) for c in schedulers))
+    total["other_requests"] = total["unresolved_requests"] + total["dropped_requests"]
+    total["requests_filled"] = int(min((c.get("requests_filled", 0) for c in workers), default=0))
+    total["blocks_filled"] = int(max((c.get("blocks_filled", 0) for c in workers), default=0))
+    total["bytes_filled"] = int(sum(c.get("bytes_filled", 0) for c in workers))
+    total["fill_seconds"] = max((c.get("fill_seconds", 0.0) for c in workers), default=0.0)
+    total["worker_ranks"] = len(workers)
+    errors = [str(c["error"]) for c in schedulers if c.get("error")]
+    total["error"] = errors[0] if errors else None
+    return total
+
+
+Scalar = str | int | float | bool | None
+
+
+class WorkerProvenance(BaseModel):
+    """What a worker's connector reports of the server it runs in, once at its start (see
+    ``connector.provenance``). Fields a newer connector adds are ignored, not refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    versions: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=200)] | None] = (
+        Field(default_factory=dict, max_length=32))
+    engine: dict[Annotated[str, Field(max_length=64)], Scalar] = Field(default_factory=dict, max_length=128)
+    kv_cache: dict[Annotated[str, Field(max_length=64)], Scalar] = Field(default_factory=dict, max_length=32)
+    hardware: dict[Annotated[str, Field(max_length=64)], Any] = Field(default_factory=dict, max_length=32)
+    argv: list[Annotated[str, Field(max_length=8192)]] = Field(default_factory=list, max_length=512)
+    env: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=dict, max_length=256)
+
+
+class FillAnswer(BaseModel):
+    """What the connector pulls for one run."""
+
+    run_id: str
+    mode: Literal["fill", "prefill"]
+    mean: float
+    std: float

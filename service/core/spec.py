@@ -1,0 +1,371 @@
+"""What to measure: ``RunSpec`` and its parts (engine, fill, goodput, ramp-up, stop rule),
+validated as a user sends them and as they come back from the database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
+
+MAX_INPUT_LEN = 1 << 20
+
+
+MAX_OUTPUT_LEN = 1 << 16
+
+
+MAX_PROMPTS = 100_000
+
+
+# Trials of one point; a sweep's runs (points x repeats) stay under MAX_SWEEP_RUNS.
+MAX_REPEATS = 32
+
+
+# org/name with the hub's character rules, or a bare name; no "..", no leading "-".
+_REPO_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95})(?:/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95}))?$")
+
+
+def _whole_number(value: Any) -> Any:
+    # JSON has one number type: 7.0 is the integer 7. Other floats, strings and booleans
+    # still fail the strict integer check.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+
+
+def bounded_int(ge: int, le: int) -> Any:
+    """An Int with bounds that show in the JSON schema (bounds before the validator)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_whole_number)]
+
+
+class Strict(BaseModel):
+    """Unknown fields are a 422, not silently dropped; no coercion ("5" or true is not 5)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FillSpec(Strict):
+    """Values the connector writes into the pretended-prefilled KV cache."""
+
+    mean: float = Field(default=0.015, ge=-1e4, le=1e4, allow_inf_nan=False)
+    std: float = Field(default=0.0, ge=0.0, le=1e4, allow_inf_nan=False)
+
+
+# Allowed ``engine.extra_args`` options and the type of their value (None: a flag).
+EXTRA_ARGS: dict[str, type | tuple[str, ...] | None] = {
+    "--max-num-seqs": int,
+    "--max-num-batched-tokens": int,
+    # A small KV cache on purpose (to see where preemption starts): blocks, not bytes.
+    "--num-gpu-blocks-override": int,
+    "--block-size": int,
+    "--seed": int,
+    "--kv-cache-dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"),
+    "--enable-prefix-caching": None,
+    "--no-enable-prefix-caching": None,
+    "--enable-chunked-prefill": None,
+    "--no-enable-chunked-prefill": None,
+}
+
+
+def _check_extra_arg(arg: str) -> str:
+    name, eq, value = arg.partition("=")
+    if name not in EXTRA_ARGS:
+        allowed = ", ".join(sorted(EXTRA_ARGS))
+        raise ValueError(f"option {name!r} is not allowed in extra_args (allowed: {allowed})")
+    kind = EXTRA_ARGS[name]
+    if kind is None:
+        if eq:
+            raise ValueError(f"option {name!r} is a flag and takes no value")
+        return name
+    if not eq or not value:
+        raise ValueError(f"option {name!r} needs a value, written as {name}=VALUE")
+    if kind is int:
+        if not value.isdigit() or not 0 < int(value) <= 1 << 24:
+            raise ValueError(f"option {name!r} needs a positive integer, got {value!r}")
+        return f"{name}={int(value)}"
+    if isinstance(kind, tuple) and value not in kind:
+        raise ValueError(f"option {name!r} must be one of {', '.join(kind)}, got {value!r}")
+    return f"{name}={value}"
+
+
+class EngineSpec(Strict):
+    """How the vLLM server is configured; runs with equal engine specs share a server."""
+
+    tensor_parallel_size: Int = Field(default=1, ge=1, le=64)
+    max_model_len: Int | None = Field(default=None, ge=16, le=MAX_INPUT_LEN + MAX_OUTPUT_LEN)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    extra_args: list[str] = Field(default_factory=list, max_length=16)
+    # "dummy": random weights (vLLM's --load-format dummy), the model from its config.json
+    # and tokenizer alone; decode speed depends on the architecture, not the weight values.
+    load_format: Literal["auto", "dummy"] = "auto"
+
+    @field_validator("extra_args")
+    @classmethod
+    def _allowed(cls, args: list[str]) -> list[str]:
+        return [_check_extra_arg(a) for a in args]
+
+
+# What vLLM's default loader looks for in a local model directory (top level only).
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+
+
+def effective_load_format(model: str, load_format: str = "auto") -> str:
+    """The weights a server of this model loads: the bundled tiny model has none, so it is
+    always "dummy"; any other model loads what ``engine.load_format`` asks for."""
+    return "dummy" if model == TINY_MODEL_NAME else load_format
+
+
+def has_weight_files(model_dir: Path) -> bool:
+    """Whether a local model directory holds weight files vLLM can load."""
+    return any(next(model_dir.glob(pattern), None) is not None for pattern in WEIGHT_FILES)
+
+
+class GoodputSpec(Strict):
+    """Service-level objectives; a request counts for goodput when it meets all given."""
+
+    ttft_ms: float | None = Field(default=None, gt=0, le=1e9)
+    tpot_ms: float | None = Field(default=None, gt=0, le=1e9)
+    e2el_ms: float | None = Field(default=None, gt=0, le=1e9)
+
+
+class RampUpSpec(Strict):
+    """A request rate growing from ``start_rps`` (first request) to ``end_rps`` (last), like
+    ``vllm bench serve --ramp-up-strategy/--ramp-up-start-rps/--ramp-up-end-rps``."""
+
+    strategy: Literal["linear", "exponential"]
+    # vLLM's CLI lets a linear ramp start at 0, then fails on the first request's rate.
+    start_rps: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    end_rps: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _rising(self) -> RampUpSpec:
+        if self.start_rps > self.end_rps:
+            raise ValueError(
+                f"ramp_up.start_rps ({self.start_rps:g}) must not be above ramp_up.end_rps "
+                f"({self.end_rps:g})"
+            )
+        return self
+
+
+class StopSpec(Strict):
+    """When a run stops sending: once the 95% interval of its median decode ITL is within
+    +-``itl_ci_pct`` percent of the median (checked from ``min_prompts`` answered requests
+    on), after ``duration_s`` seconds of measurement, or at ``max_prompts`` requests
+    (default: the run's ``num_prompts``), whichever comes first. Requests already sent
+    are awaited and measured."""
+
+    itl_ci_pct: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
+    min_prompts: Int | None = Field(default=None, ge=2, le=MAX_PROMPTS)
+    max_prompts: Int | None = Field(default=None, ge=1, le=MAX_PROMPTS)
+    duration_s: float | None = Field(default=None, gt=0, le=7 * 86400, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _a_rule(self) -> StopSpec:
+        if self.itl_ci_pct is None and self.duration_s is None:
+            raise ValueError(
+                "stop needs a rule: stop.itl_ci_pct (stop once the median decode ITL is known "
+                "to +-this percent) and/or stop.duration_s (a time box); without one, "
+                "num_prompts is the fixed count"
+            )
+        if (self.min_prompts is not None and self.max_prompts is not None
+                and self.min_prompts > self.max_prompts):
+            raise ValueError(
+                f"stop.min_prompts ({self.min_prompts}) must not be above stop.max_prompts "
+                f"({self.max_prompts})"
+            )
+        return self
+
+
+# Validation context of specs read back from the database (``RunSpec.stored``).
+STORED = {"stored": True}
+
+
+def _is_stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("stored"))
+
+
+def describe(exc: ValidationError) -> str:
+    """A validation error in one line: each problem's place and message."""
+    return "; ".join(
+        ".".join(str(p) for p in e["loc"]) + ": " + str(e["msg"]).removeprefix("Value error, ")
+        if e["loc"] else str(e["msg"]).removeprefix("Value error, ")
+        for e in exc.errors()
+    )
+
+
+class RunSpec(Strict):
+    """What one benchmark run measures; see DESIGN.md "RunSpec"."""
+
+    model: str = Field(default=TINY_MODEL_NAME, min_length=1, max_length=512)
+    input_len: Int = Field(default=1024, ge=1, le=MAX_INPUT_LEN)
+    output_len: Int = Field(default=128, ge=1, le=MAX_OUTPUT_LEN)
+    range_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    num_prompts: Int = Field(default=64, ge=1, le=MAX_PROMPTS)
+    max_concurrency: Int | None = Field(default=8, ge=1, le=100_000)
+    request_rate: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
+    burstiness: float = Field(default=1.0, gt=0, le=1e3, allow_inf_nan=False)
+    warmup_prompts: Int = Field(default=0, ge=0, le=MAX_PROMPTS)
+    mode: Literal["fill", "prefill"] = "fill"
+    fill: FillSpec = Field(default_factory=FillSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    goodput: GoodputSpec = Field(default_factory=GoodputSpec)
+    seed: Int = Field(default=0, ge=0, le=2**32 - 1)
+    repeats: Int = Field(default=1, ge=1, le=MAX_REPEATS)
+    ramp_up: RampUpSpec | None = None
+    stop: StopSpec | None = None
+
+    @classmethod
+    def stored(cls, data: dict[str, Any]) -> RunSpec:
+        """A spec read back from the database: checked like a submitted one except
+        against the filesystem (a model directory that went away fails the run when its
+        worker starts, with that reason, instead of failing every read of the spec)."""
+        return cls.model_validate(data, context=STORED)
+
+    @field_validator("model")
+    @classmethod
+    def _model_name(cls, value: str, info: ValidationInfo) -> str:
+        if value == TINY_MODEL_NAME:
+            return value
+        if value.startswith("/"):
+            path = Path(value)
+            if ".." in path.parts or any(c in value for c in "\0\n\r"):
+                raise ValueError("a local model path may not contain '..' or control characters")
+            if _is_stored(info):
+                return value
+            if not (path / "config.json").is_file():
+                raise ValueError(f"no model directory with a config.json at {value!r}")
+            return value
+        if "://" in value or ".." in value or not _REPO_ID.match(value):
+            raise ValueError(
+                "model must be the bundled tiny model, a Hugging Face repo id like "
+                "'org/name', or an absolute path to a local model directory"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _weights(self, info: ValidationInfo) -> RunSpec:
+        if (self.model.startswith("/") and self.engine.load_format == "auto" and not _is_stored(info)
+                and not has_weight_files(Path(self.model))):
+            raise ValueError(
+                f"the model directory {self.model!r} has no weight files "
+                f"({', '.join(WEIGHT_FILES)}); engine.load_format \"dummy\" runs it without "
+                "them, from its config.json and tokenizer (random weights: decode speed "
+                "depends on the architecture, not the weight values)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_rate(self) -> RunSpec:
+        if self.ramp_up is not None and self.request_rate is not None:
+            raise ValueError(
+                "ramp_up sets the request rate: leave request_rate null when ramp_up is given "
+                "(vllm bench serve refuses --request-rate with --ramp-up-strategy)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fits(self) -> RunSpec:
+        longest_prompt = math.floor(self.input_len * (1 + self.range_ratio))
+        longest_output = math.floor(self.output_len * (1 + self.range_ratio))
+        limit = self.engine.max_model_len
+        if limit is None and self.model == TINY_MODEL_NAME:
+            limit = MAX_MODEL_LEN
+        if limit is not None and longest_prompt + longest_output > limit:
+            raise ValueError(
+                f"input_len {self.input_len} plus output_len {self.output_len} (with range_ratio "
+                f"{self.range_ratio}) needs {longest_prompt + longest_output} tokens, more than "
+                f"the model's max length {limit}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _stop_bounds(self) -> RunSpec:
+        stop = self.stop
+        if stop is not None and stop.min_prompts is not None and stop.min_prompts > self.prompt_budget():
+            raise ValueError(
+                f"stop.min_prompts ({stop.min_prompts}) must not be above the most "
+                f"requests the run may send ({self.prompt_budget()}: stop.max_prompts, or "
+                "num_prompts when that is not given)"
+            )
+        return self
+
+    def prompt_budget(self) -> int:
+        """The most measured requests this run may send: ``num_prompts``, or with a stop
+        rule ``stop.max_prompts`` when given."""
+        if self.stop is not None and self.stop.max_prompts is not None:
+            return self.stop.max_prompts
+        return self.num_prompts
+
+    def stop_min_prompts(self) -> int:
+        """Answered requests before the interval rule is first checked: ``stop.min_prompts``,
+        or twice the concurrency (at least 8), so the interval is not taken over the first
+        batch alone; never above the budget."""
+        if self.stop is not None and self.stop.min_prompts is not None:
+            return self.stop.min_prompts
+        return min(self.prompt_budget(), max(8, 2 * (self.max_concurrency or 0)))
+
+    def longest_request_tokens(self) -> int:
+        """KV cache tokens the longest request of this run needs (prompt plus output)."""
+        return math.floor(self.input_len * (1 + self.range_ratio)) + math.floor(
+            self.output_len * (1 + self.range_ratio)
+        )
+
+    def worker_key(self) -> str:
+        """Runs with equal keys can share one vLLM server."""
+        return worker_key(self.model, self.engine)
+
+    def trials(self) -> list[RunSpec]:
+        """The spec of each of the ``repeats`` trials: trial ``k`` runs with seed
+        ``seed + k`` (so no two trials send the same prompts), the rest unchanged."""
+        return [self.model_copy(update={"seed": (self.seed + k) % 2**32}) for k in range(self.repeats)]
+
+
+# The fields that make runs measurements of the same thing: one model on one engine under
+# one load, whatever the seed, the number of requests or the stop rule.
+POINT_FIELDS = ("model", "engine", "input_len", "output_len", "range_ratio", "max_concurrency",
+                "request_rate", "burstiness", "ramp_up", "mode", "fill")
+
+
+def point_key(spec: dict[str, Any]) -> str:
+    """A stable key for the point a stored spec measures (see ``POINT_FIELDS``): runs
+    stored before a field of the engine existed have the same key as runs that leave it
+    at its default."""
+    engine = spec.get("engine") or {}
+    # A stored spec an older version accepted but this one refuses is keyed as it is.
+    with contextlib.suppress(ValueError):
+        engine = EngineSpec.model_validate(engine).model_dump()
+    point = {k: spec.get(k) for k in POINT_FIELDS} | {"engine": engine}
+    text = json.dumps(point, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def worker_key(model: str, engine: EngineSpec) -> str:
+    """Runs and servers with equal keys belong together: one model, one engine configuration."""
+    config = engine.model_dump(exclude={"load_format"})
+    # The load format is in the key only where it changes the server: the tiny model loads
+    # dummy weights whatever is asked, and keys stored before the field existed (registered
+    # servers) still match runs with real weights.
+    if effective_load_format(model, engine.load_format) != effective_load_format(model):
+        config["load_format"] = engine.load_format
+    return json.dumps({"model": model, "engine": config}, sort_keys=True)

@@ -1,0 +1,34 @@
+"""The status machine of a run: its states and the moves allowed between them."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class RunStatus(StrEnum):
+    """Where a run is in its life."""
+
+    queued = "queued"
+    starting = "starting"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.queued: frozenset({RunStatus.starting, RunStatus.cancelled}),
+    RunStatus.starting: frozenset({RunStatus.running, RunStatus.failed, RunStatus.cancelled}),
+    RunStatus.running: frozenset({RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled}),
+    RunStatus.succeeded: frozenset(),
+    RunStatus.failed: frozenset(),
+    RunStatus.cancelled: frozenset(),
+}
+
+
+FINISHED = frozenset({RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled})
+
+
+def sources_of(target: RunStatus) -> frozenset[RunStatus]:
+    """The states a run may move to ``target`` from."""
+    return frozenset(s for s, targets in TRANSITIONS.items() if target in targets)

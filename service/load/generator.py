@@ -1,0 +1,461 @@
+"""The load generator: streaming completions with exact prompt lengths, like ``vllm bench serve``.
+
+Prompts are token ids, so the server sees exactly ``input_len`` tokens. Every
+request is tagged with its run id for the connector and salted with it so no run
+reuses prefix-cache blocks another run filled. Timing follows vLLM's client: the
+clock starts after the concurrency slot is taken, just before the POST; TTFT is
+the first streamed chunk with choices, ITL the gaps between later ones, latency
+ends at the last such chunk.
+
+Memory stays flat at any context length: a plan holds only lengths and arrival
+offsets (numpy arrays); each prompt is drawn when its request is sent, from
+(seed, request position), in fixed blocks, and a long one is streamed to the server
+block by block (chunked transfer encoding) so no whole prompt is ever held, as
+Python ints or as JSON. The same seed gives the same prompts and schedule.
+
+Arrivals are those ``vllm bench serve`` (vLLM 0.32) makes for the same seed, request
+rate, burstiness and ramp-up: gamma gaps from the legacy global numpy stream seeded with
+the seed (so they do not depend on the length draws), the first request waiting its own
+gap, and, at a fixed rate, the schedule stretched so the last request is due at exactly
+``num_prompts / request_rate``. See ``arrival_offsets``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import aiohttp
+import numpy as np
+from pydantic import BaseModel
+
+from service.analysis.metrics import Sample
+from service.core.tinymodel import FIRST_ORDINARY_ID
+
+if TYPE_CHECKING:
+    from service.core.spec import RunSpec
+
+# Without a known vocabulary, draw ids below this bound: every current LLM vocabulary is larger.
+DEFAULT_VOCAB_BOUND = 32_000
+# Prompt ids are drawn, encoded and sent this many at a time. Part of what a seed means:
+# changing it changes every prompt longer than one block.
+PROMPT_BLOCK = 8192
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What to send: per request position (warmups first, then measured requests) its
+    input and output length, and the measured requests' arrival offsets (s)."""
+
+    seed: int
+    vocab_high: int
+    input_lens: np.ndarray
+    output_lens: np.ndarray
+    offsets: np.ndarray
+    warmups: int
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (
+            (self.seed, self.vocab_high, self.warmups) == (other.seed, other.vocab_high, other.warmups)
+            and all(np.array_equal(getattr(self, k), getattr(other, k))
+                    for k in ("input_lens", "output_lens", "offsets"))
+        )
+
+    @property
+    def measured(self) -> int:
+        """How many measured requests the plan has."""
+        return len(self.input_lens) - self.warmups
+
+    def prompt_blocks(self, position: int) -> Iterator[np.ndarray]:
+        """The prompt of the request at ``position``, drawn block by block."""
+        rng = np.random.default_rng([self.seed, position])
+        n = int(self.input_lens[position])
+        for start in range(0, n, PROMPT_BLOCK):
+            yield rng.integers(FIRST_ORDINARY_ID, self.vocab_high,
+                               size=min(PROMPT_BLOCK, n - start), dtype=np.int64)
+
+    def prompt(self, position: int) -> list[int]:
+        """The whole prompt of the request at ``position`` (for checks; sending streams it)."""
+        return [int(t) for block in self.prompt_blocks(position) for t in block]
+
+
+class RampUp(BaseModel):
+    """A request rate that grows from ``start_rps`` to ``end_rps`` over the requests, like
+    ``vllm bench serve --ramp-up-strategy``; checked in ``RunSpec``, taken as given here."""
+
+    strategy: Literal["linear", "exponential"]
+    start_rps: float
+    end_rps: float
+
+    def rates(self, n: int) -> np.ndarray:
+        """The request rate of each of ``n`` requests: the start rate for the first, the
+        end rate for the last."""
+        progress = np.arange(n) / max(n - 1, 1)
+        if self.strategy == "linear":
+            return self.start_rps + (self.end_rps - self.start_rps) * progress
+        ratio = self.end_rps / self.start_rps
+        # Python's float power, not numpy's: numpy may use a SIMD power that differs from
+        # libm's in the last bit, and vLLM computes the rate with Python floats.
+        return np.array([self.start_rps * ratio ** float(p) for p in progress])
+
+
+class LoadShape(BaseModel):
+    """What decides which requests are sent when: the part of a ``RunSpec`` a load
+    driver needs (the driver does not import the service's models and database layer)."""
+
+    seed: int
+    input_len: int
+    output_len: int
+    range_ratio: float
+    num_prompts: int
+    warmup_prompts: int
+    request_rate: float | None
+    burstiness: float
+    max_concurrency: int | None
+    ramp_up: RampUp | None = None
+
+    @classmethod
+    def of(cls, spec: RunSpec | LoadShape) -> LoadShape:
+        """The load shape of a run's spec."""
+        return cls.model_validate(
+            {name: getattr(spec, name) for name in cls.model_fields}, from_attributes=True
+        )
+
+
+def _lengths(rng: np.random.Generator, center: int, ratio: float, n: int) -> np.ndarray:
+    low = max(1, math.floor(center * (1 - ratio)))
+    high = max(low, math.floor(center * (1 + ratio)))
+    return rng.integers(low, high + 1, size=n)
+
+
+def arrival_offsets(
+    n: int, request_rate: float | None, burstiness: float, seed: int, ramp_up: RampUp | None = None
+) -> np.ndarray:
+    """When each of ``n`` requests is due (s from the schedule's start), exactly as
+    ``vllm bench serve`` (vLLM 0.32) schedules them for the same arguments and ``--seed``.
+
+    ``request_rate`` None or inf: all due at 0 (unless ``ramp_up`` sets the rates).
+    Request i waits a gamma gap of mean 1/rate_i and shape ``burstiness`` (1.0 is Poisson,
+    inf a constant 1/rate_i) after request i-1, the first one after the start. Without a
+    ramp-up the schedule is then stretched so the last request is due at n/request_rate,
+    as vLLM does to keep throughput comparable across seeds.
+    """
+    if n <= 0:
+        return np.zeros(0)
+    rate = math.inf if request_rate is None else float(request_rate)
+    if ramp_up is not None:
+        rates = ramp_up.rates(n)
+    elif math.isinf(rate):
+        return np.zeros(n)
+    else:
+        rates = np.full(n, rate)
+    if math.isinf(burstiness):
+        gaps = 1.0 / rates
+    else:
+        # The stream ``np.random.seed(seed)`` starts, drawn one gap per request in order;
+        # vLLM's random-dataset sampling does not touch it.
+        gaps = np.random.RandomState(seed).gamma(burstiness, 1.0 / (rates * burstiness))
+    offsets = np.cumsum(gaps)
+    if ramp_up is None and offsets[-1] != 0:
+        offsets = offsets * ((n / rate) / offsets[-1])
+    return offsets
+
+
+def make_plan(spec: RunSpec | LoadShape, vocab_size: int | None) -> Plan:
+    """Build the seeded request schedule for ``spec``; the same seed gives the same plan."""
+    shape = LoadShape.of(spec)
+    rng = np.random.default_rng(shape.seed)
+    total = shape.warmup_prompts + shape.num_prompts
+    input_lens = _lengths(rng, shape.input_len, shape.range_ratio, total)
+    output_lens = _lengths(rng, shape.output_len, shape.range_ratio, total)
+    offsets = arrival_offsets(shape.num_prompts, shape.request_rate, shape.burstiness, shape.seed,
+                              shape.ramp_up)
+    return Plan(
+        seed=shape.seed,
+        vocab_high=vocab_size if vocab_size is not None else DEFAULT_VOCAB_BOUND,
+        input_lens=input_lens,
+        output_lens=output_lens,
+        offsets=offsets,
+        warmups=shape.warmup_prompts,
+    )
+
+
+def _sent_time_trace() -> aiohttp.TraceConfig:
+    """Stamps ``Sample.sent_time`` as each piece of a request is written: the last stamp
+    is when the request's last byte left, after its concurrency slot, its connection and
+    the encoding of its body (``start_time`` is taken before all three, as vLLM's client
+    takes it)."""
+
+    async def written(_session: aiohttp.ClientSession, context: Any, _params: Any) -> None:
+        sample = (context.trace_request_ctx or {}).get("sample")
+        if sample is not None:
+            sample.sent_time = time.perf_counter()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(written)
+    trace.on_request_chunk_sent.append(written)
+    return trace
+
+
+class LoadGenerator:
+    """Drives requests of one run against one OpenAI-compatible server.
+
+    aiohttp, not httpx: on a 2-core machine httpx's per-chunk overhead made the
+    client, not the server, the limit at a few hundred streams
+    (``benchmarks/loadgen.py``).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        served_model: str,
+        run_id: str,
+        max_concurrency: int | None,
+        request_timeout_s: float,
+    ) -> None:
+        self.url = f"{base_url}/v1/completions"
+        self.served_model = served_model
+        self.run_id = run_id
+        self.max_concurrency = max_concurrency
+        self.request_timeout_s = request_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        # Set by ``stop_sending`` (a stop rule was met): no request is sent after it;
+        # requests already sent are awaited and measured.
+        self._stop: asyncio.Event | None = None
+        self.sent = 0
+        # Progress, for hang detection (``service.control.runner``): streams open now, and when
+        # any stream last got bytes (``time.perf_counter``).
+        self.open = 0
+        self.last_data = time.perf_counter()
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        """Set once no more requests may be sent (made inside the event loop)."""
+        if self._stop is None:
+            self._stop = asyncio.Event()
+        return self._stop
+
+    def stop_sending(self) -> None:
+        """Send no more measured requests; the ones already sent finish and count."""
+        self.stopping.set()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The HTTP session, made on first use (it must be made inside the event loop)."""
+        if self._session is None:
+            limit = self.max_concurrency or 0  # 0: no limit
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit),
+                trace_configs=[_sent_time_trace()],
+                # A stream that sends nothing for this long has hung.
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=30, sock_read=self.request_timeout_s
+                ),
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        """Close the HTTP session (and with it any open streams)."""
+        if self._session is not None:
+            await self._session.close()
+
+    def _body(self, plan: Plan, position: int) -> bytes | AsyncIterator[bytes]:
+        """The request's JSON body: whole when the prompt fits one block, else a stream."""
+        rest = json.dumps({
+            "model": self.served_model,
+            "max_tokens": int(plan.output_lens[position]),
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "cache_salt": self.run_id,
+            "kv_transfer_params": {"decodebench_run_id": self.run_id},
+        }).encode()
+        blocks = plan.prompt_blocks(position)
+
+        def encode(block: np.ndarray) -> bytes:
+            return ",".join(map(str, block.tolist())).encode()
+
+        if int(plan.input_lens[position]) <= PROMPT_BLOCK:
+            return b'{"prompt":[' + encode(next(blocks)) + b"]," + rest[1:]
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield b'{"prompt":['
+            for i, block in enumerate(blocks):
+                yield (b"," if i else b"") + encode(block)
+                await asyncio.sleep(0)  # let other streams' tokens be timed between blocks
+            yield b"]," + rest[1:]
+
+        return stream()
+
+    async def send(self, plan: Plan, position: int, due: float | None) -> Sample:
+        """Send the request at ``position`` of ``plan`` and measure it; the sample's index
+        counts measured requests from 0."""
+        sample = Sample(
+            index=position - plan.warmups,
+            prompt_len=int(plan.input_lens[position]),
+            output_tokens=0,
+            ttft=0.0,
+            itl=[],
+            latency=0.0,
+            start_time=0.0,
+            success=False,
+            due_time=due,
+        )
+        text: list[str] = []
+        start = time.perf_counter()
+        sample.start_time = start
+        last = start
+        got_first = False
+        buffer = b""
+        self.open += 1
+        try:
+            async with self.session.post(
+                self.url, data=self._body(plan, position), headers={"Content-Type": "application/json"},
+                trace_request_ctx={"sample": sample},
+            ) as response:
+                if response.status != 200:
+                    body = (await response.read()).decode("utf-8", errors="replace")
+                    sample.error = f"HTTP {response.status}: {body[:500]}"
+                    return sample
+                async for data in response.content.iter_any():
+                    now = self.last_data = time.perf_counter()
+                    buffer += data
+                    # Server-sent events end with a blank line; keep a partial one for later.
+                    *events, buffer = buffer.split(b"\n\n")
+                    for event in events:
+                        event = event.strip()
+                        if not event.startswith(b"data:"):
+                            continue
+                        payload = event[5:].strip()
+                        if payload == b"[DONE]":
+                            continue
+                        chunk = json.loads(payload)
+                        choices = chunk.get("choices")
+                        if choices:
+                            if not got_first:
+                                got_first = True
+                                sample.ttft = now - start
+                            else:
+                                sample.itl.append(now - last)
+                            last = now
+                            text.append(choices[0].get("text") or "")
+                        elif usage := chunk.get("usage"):
+                            sample.output_tokens = int(usage.get("completion_tokens") or 0)
+                            if usage.get("prompt_tokens") is not None:
+                                sample.prompt_len = int(usage["prompt_tokens"])
+            sample.latency = last - start
+            sample.generated_text = "".join(text)
+            if got_first:
+                sample.success = True
+            else:
+                sample.error = "no chunk with tokens was received"
+        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+            sample.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        finally:
+            self.open -= 1
+        return sample
+
+    async def _run_all(
+        self,
+        plan: Plan,
+        positions: Sequence[int],
+        start: float | None,
+        on_done: Callable[[Sample], None] | None,
+    ) -> float:
+        slots = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
+        # Make the session (and its TLS context) before the clock starts, as vLLM's client does.
+        assert not self.session.closed
+        if start is None:
+            start = time.perf_counter()
+        elif (delay := start - time.perf_counter()) > 0:
+            await asyncio.sleep(delay)
+        measured = on_done is not None
+        stopping = self.stopping
+
+        async def one(position: int, due: float) -> None:
+            try:
+                sample = await self.send(plan, position, due if measured else None)
+            finally:
+                if slots is not None:
+                    slots.release()
+            if on_done is not None:
+                on_done(sample)
+
+        # The dispatcher takes a request's slot before making its task (the order is the
+        # one a semaphore inside each task gives, vLLM's way), so a run of 100,000 requests
+        # at concurrency 8 has 8 tasks, not 100,000 waiting ones, and stopping is at once.
+        tasks: set[asyncio.Task[None]] = set()
+        failures: list[BaseException] = []
+
+        def finished(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())  # type: ignore[arg-type]
+
+        async def wait_for_stop(seconds: float) -> None:
+            # A sleep that ends early when a stop rule is met.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), seconds)
+
+        try:
+            for position in positions:
+                due = start
+                if measured:
+                    due += float(plan.offsets[position - plan.warmups])
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        await wait_for_stop(delay)
+                    if stopping.is_set():
+                        break
+                if slots is not None:
+                    await slots.acquire()
+                    if measured and stopping.is_set():
+                        slots.release()
+                        break
+                if measured:
+                    self.sent += 1
+                task = asyncio.create_task(one(position, due))
+                tasks.add(task)
+                task.add_done_callback(finished)
+                if failures:
+                    raise failures[0]
+            while tasks:
+                await asyncio.gather(*tasks)
+            if failures:
+                raise failures[0]
+        except BaseException:
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return time.perf_counter() - start
+
+    async def warmup(self, plan: Plan, positions: Sequence[int] | None = None) -> None:
+        """Send the warmup requests (all, or those at ``positions``); their samples are dropped."""
+        if positions is None:
+            positions = range(plan.warmups)
+        if positions:
+            await self._run_all(plan, positions, None, None)
+
+    async def measure(
+        self,
+        plan: Plan,
+        on_done: Callable[[Sample], None],
+        positions: Sequence[int] | None = None,
+        start: float | None = None,
+    ) -> float:
+        """Send the measured requests (all, or those at ``positions``) on their schedule,
+        which begins at ``start`` (``time.perf_counter``; now by default); return the
+        time from the schedule's start to the last response's end (s)."""
+        if positions is None:
+            positions = range(plan.warmups, len(plan.input_lens))
+        return await self._run_all(plan, positions, start, on_done)

@@ -1,0 +1,146 @@
+"""The database tables: runs, samples, sweeps, baselines, workers, scraped server metrics."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, Column, Index
+from sqlmodel import Field as SQLField
+from sqlmodel import SQLModel
+
+from service.core.ids import utcnow
+from service.core.status import RunStatus
+
+# One stored sample per (run, request index); older databases get it in ``db.make_engine``.
+SAMPLE_UNIQUE_INDEX = "uq_sample_run_index"
+
+
+class Run(SQLModel, table=True):
+    """One benchmark run and its state."""
+
+    id: str = SQLField(primary_key=True)
+    spec: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    model: str = SQLField(index=True)
+    status: str = SQLField(default=RunStatus.queued, index=True)
+    created_at: datetime = SQLField(default_factory=utcnow, index=True)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker_id: str | None = SQLField(default=None, index=True)
+    completed: int = 0
+    failed: int = 0
+    total: int = 0
+    summary: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    connector: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    connector_pulls: int = 0
+    error: str | None = None
+    # [{code, message, figure}]: what makes the run's numbers mean less than they seem.
+    warnings: list[dict[str, Any]] | None = SQLField(default=None, sa_column=Column(JSON))
+    # The CPU thread layout of the worker that served it (None on a GPU or registered server).
+    cpu_binding: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    # Why the run stopped sending (``{rule, message, requests, median_itl_ms, itl_ci_ms,
+    # itl_ci_pct}``; see ``service.analysis.stopping``).
+    stopped_by: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    idempotency_key: str | None = SQLField(default=None, unique=True)
+    request_hash: str | None = None
+    sweep_id: str | None = SQLField(default=None, index=True)
+    # The trials of one point (``spec.repeats`` > 1) share a group id; ``trial`` counts from 0.
+    group_id: str | None = SQLField(default=None, index=True)
+    trial: int | None = None
+    # ``point_key`` of the spec: runs of the same point, for baselines.
+    point: str | None = SQLField(default=None, index=True)
+    # The setup its numbers came from (see ``service.control.provenance.snapshot``), taken when it
+    # got its worker.
+    provenance: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+
+
+class Baseline(SQLModel, table=True):
+    """The run or group later runs of its point are compared against."""
+
+    point: str = SQLField(primary_key=True)
+    # A group id (``g-...``) or a run id (``r-...``).
+    arm: str = SQLField(index=True)
+    model: str
+    created_at: datetime = SQLField(default_factory=utcnow)
+
+
+class Sweep(SQLModel, table=True):
+    """A grid of runs over one base spec, kept together."""
+
+    id: str = SQLField(primary_key=True)
+    base: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    grid: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    created_at: datetime = SQLField(default_factory=utcnow, index=True)
+
+
+class Sample(SQLModel, table=True):
+    """One request's raw measurement, as the client saw it; one row per (run, index)."""
+
+    __table_args__ = (Index(SAMPLE_UNIQUE_INDEX, "run_id", "index", unique=True),)
+
+    id: int | None = SQLField(default=None, primary_key=True)
+    run_id: str = SQLField(foreign_key="run.id", index=True)
+    index: int
+    prompt_len: int
+    output_tokens: int
+    ttft: float
+    itl: list[float] = SQLField(sa_column=Column(JSON, nullable=False))
+    latency: float
+    start_time: float
+    due_time: float | None = None
+    sent_time: float | None = None
+    success: bool
+    error: str = ""
+    generated_text: str = ""
+
+
+class Worker(SQLModel, table=True):
+    """A vLLM server the service started, or one registered from elsewhere (``external``).
+
+    Statuses: a started server goes ``starting -> ready -> stopped | failed``; a
+    registered one is ``unavailable`` or ``ready`` as its health probes say, until it
+    is ``removed``.
+    """
+
+    id: str = SQLField(primary_key=True)
+    key: str = SQLField(index=True)
+    model: str
+    engine: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    url: str
+    port: int
+    pid: int | None = None
+    status: str = SQLField(default="starting", index=True)
+    token_hash: str = SQLField(index=True)
+    log_path: str
+    gpus: str = ""
+    kv_tokens: int | None = None
+    runs_served: int = 0
+    created_at: datetime = SQLField(default_factory=utcnow)
+    ready_at: datetime | None = None
+    stopped_at: datetime | None = None
+    error: str | None = None
+    external: bool = False
+    vocab_size: int | None = None
+    last_seen_at: datetime | None = None
+    # CPU workers: {"env": the binding variables it ran with, "omp_cores", "reserved_cores"}.
+    cpu_binding: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    # {"launch": {argv, env} as this service started it, "reported": what its connector
+    # said of it (``WorkerProvenance``)}; see ``service.control.provenance``.
+    provenance: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+
+
+SERVER_POINT_INDEX = "uq_server_metric_point_run_t"
+
+
+class ServerMetricPoint(SQLModel, table=True):
+    """One scrape of a run's vLLM server, ``t`` in seconds on the clock of the run's samples
+    (``time.perf_counter``, where the runner puts it), ``values`` as ``server_metrics.parse``
+    keeps them."""
+
+    # Unique: a point handed over twice (a periodic save that resends) is stored once.
+    __table_args__ = (Index(SERVER_POINT_INDEX, "run_id", "t", unique=True),)
+
+    id: int | None = SQLField(default=None, primary_key=True)
+    run_id: str = SQLField(foreign_key="run.id")
+    t: float
+    values: dict[str, float] = SQLField(sa_column=Column(JSON, nullable=False))

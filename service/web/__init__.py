@@ -1,0 +1,1 @@
+"""The web plane: REST routes, pages, auth, limits, Prometheus exposition, charts, response shapes."""

@@ -1,0 +1,27 @@
+"""FastAPI dependencies shared by the API and the pages: the app's database engine and
+scheduler."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy import Engine
+
+from service.control.queue import Scheduler
+
+
+def get_engine(request: Request) -> Engine:
+    """The app's database engine."""
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def get_scheduler(request: Request) -> Scheduler:
+    """The app's scheduler."""
+    scheduler: Scheduler = request.app.state.scheduler
+    return scheduler
+
+
+DB = Annotated[Engine, Depends(get_engine)]
+Sched = Annotated[Scheduler, Depends(get_scheduler)]

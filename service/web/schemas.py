@@ -1,0 +1,214 @@
+"""The shapes the REST API answers with (a table row, or a computed view of it)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    Field,
+)
+
+from service.core.protocol import connector_totals
+from service.storage.tables import Run
+
+
+class Progress(BaseModel):
+    """How far a run got."""
+
+    completed: int
+    failed: int
+    total: int
+
+
+class RunWarning(BaseModel):
+    """Something that makes a run's numbers mean less than they seem, with the figure that shows it."""
+
+    code: str
+    message: str
+    figure: float | None = None
+
+
+class RunPublic(BaseModel):
+    """A run as the API returns it."""
+
+    id: str
+    spec: dict[str, Any]
+    status: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    worker_id: str | None
+    progress: Progress
+    summary: dict[str, Any] | None
+    connector: dict[str, Any] | None
+    warnings: list[RunWarning]
+    cpu_binding: dict[str, Any] | None
+    stopped_by: dict[str, Any] | None = None
+    error: str | None
+    sweep_id: str | None = None
+    group_id: str | None = None
+    trial: int | None = None
+    provenance: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, run: Run) -> RunPublic:
+        """Build from a table row."""
+        connector = connector_totals((run.connector or {}).get("ranks", {}))
+        connector["pulls"] = run.connector_pulls
+        return cls(
+            id=run.id,
+            spec=run.spec,
+            status=run.status,
+            created_at=run.created_at,
+            started_at=run.started_at,
+            finished_at=run.finished_at,
+            worker_id=run.worker_id,
+            progress=Progress(completed=run.completed, failed=run.failed, total=run.total),
+            summary=run.summary,
+            connector=connector,
+            warnings=[RunWarning(**w) for w in run.warnings or []],
+            cpu_binding=run.cpu_binding,
+            stopped_by=run.stopped_by,
+            error=run.error,
+            sweep_id=run.sweep_id,
+            group_id=run.group_id,
+            trial=run.trial,
+            provenance=run.provenance,
+        )
+
+
+class RunList(BaseModel):
+    """A page of runs."""
+
+    runs: list[RunPublic]
+    total: int
+    limit: int
+    offset: int
+
+
+class SamplePublic(BaseModel):
+    """One request's raw sample (seconds, client clock)."""
+
+    index: int
+    prompt_len: int
+    output_tokens: int
+    ttft: float
+    itl: list[float]
+    latency: float
+    start_time: float
+    due_time: float | None
+    sent_time: float | None
+    success: bool
+    error: str
+    generated_text: str
+
+
+class WorkerPublic(BaseModel):
+    """A vLLM server as the API returns it."""
+
+    id: str
+    model: str
+    engine: dict[str, Any]
+    url: str
+    pid: int | None
+    status: str
+    external: bool
+    gpus: str
+    kv_tokens: int | None
+    runs_served: int
+    created_at: datetime
+    ready_at: datetime | None
+    last_seen_at: datetime | None
+    stopped_at: datetime | None
+    error: str | None
+    log_path: str
+    cpu_binding: dict[str, Any] | None = None
+    provenance: dict[str, Any] | None = None
+
+
+class WorkerRegistered(WorkerPublic):
+    """A registered worker, with what its vLLM server must be started with (shown once)."""
+
+    token: str
+    kv_transfer_config: dict[str, Any]
+    vllm_serve: str
+
+
+class SweepPublic(BaseModel):
+    """A sweep as the API returns it."""
+
+    id: str
+    base: dict[str, Any]
+    grid: dict[str, Any]
+    created_at: datetime
+    progress: dict[str, int]
+    runs: list[RunPublic]
+    repeats: int = 1
+    # One entry per point: ``{arm, point, runs, succeeded, figures: {key: {value, ci, cv, n,
+    # method}}}`` (see ``service.analysis.comparison``).
+    points: list[dict[str, Any]] = Field(default_factory=list)
+    # Per point with both modes finished: fill/prefill of decode ITL and TPOT with verdicts.
+    fill_vs_prefill: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class SweepSummary(BaseModel):
+    """A sweep in a list: what it varies and how far its runs got."""
+
+    id: str
+    created_at: datetime
+    model: str
+    grid_keys: list[str]
+    # Grid points, and runs (points x repeats).
+    points: int
+    runs: int
+    repeats: int = 1
+    # Its runs by status (only the statuses it has).
+    status: dict[str, int]
+
+
+class SweepList(BaseModel):
+    """A page of sweeps."""
+
+    sweeps: list[SweepSummary]
+    total: int
+    limit: int
+    offset: int
+
+
+class GroupPublic(BaseModel):
+    """The trials of one point (a run with ``repeats``) and every figure over them: the
+    mean with a Student-t 95% interval and the CV with two or more succeeded trials."""
+
+    id: str
+    spec: dict[str, Any]
+    runs: list[RunPublic]
+    succeeded: int
+    figures: dict[str, dict[str, Any] | None]
+
+
+class ServerPointPublic(BaseModel):
+    """One scrape: seconds since the run's first scrape, and the values kept."""
+
+    t: float
+    values: dict[str, float]
+
+
+class ServerMetricsSummary(BaseModel):
+    """Counter deltas over the run (null: the counter went down, the server restarted),
+    gauge max and time-weighted mean, how many points and the seconds they span."""
+
+    deltas: dict[str, float | None]
+    max: dict[str, float]
+    mean: dict[str, float]
+    points: int
+    span_s: float
+
+
+class ServerMetricsPublic(BaseModel):
+    """The server's own view of a run, as scraped from its ``/metrics``."""
+
+    run_id: str
+    points: list[ServerPointPublic]
+    summary: ServerMetricsSummary
