@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO))
 from fidelity import mean_ci, reference_server, service  # noqa: E402
 
 from service.analysis.intervals import Interval, pooled_median_ci  # noqa: E402
-from service.analysis.metrics import Sample, steady_gaps, summarize  # noqa: E402
+from service.analysis.metrics import steady_gaps, summarize  # noqa: E402
+from service.core.sample import Sample  # noqa: E402
 from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
 
 ARMS = ("ours", "ours_stop", "real")

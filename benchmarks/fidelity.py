@@ -64,9 +64,10 @@ sys.path.insert(0, str(REPO))
 
 from harness import free_port  # noqa: E402
 
-from service.analysis.metrics import Sample, decode_stats, is_bunched, summarize  # noqa: E402
+from service.analysis.metrics import decode_stats, is_bunched, summarize  # noqa: E402
 from service.control.cpu_binding import BINDING_VARS, binding_env  # noqa: E402
 from service.control.vllm_cli import engine_flags  # noqa: E402
+from service.core.sample import Sample  # noqa: E402
 from service.core.spec import EngineSpec  # noqa: E402
 from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
 

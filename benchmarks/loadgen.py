@@ -32,7 +32,7 @@ from vllm.benchmarks.lib.endpoint_request_func import (
     async_request_openai_completions,
 )
 
-from service.analysis.metrics import Sample
+from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.driver import DriverPool, Drivers, shard_count
 from service.load.generator import LoadGenerator, make_plan

@@ -41,7 +41,8 @@ sys.path.insert(0, str(REPO))
 from fidelity import service  # noqa: E402
 
 from service.analysis.intervals import ratio_by_requests  # noqa: E402
-from service.analysis.metrics import Sample, summary_intervals  # noqa: E402
+from service.analysis.metrics import summary_intervals  # noqa: E402
+from service.core.sample import Sample  # noqa: E402
 
 
 def sweep(args: argparse.Namespace) -> None:

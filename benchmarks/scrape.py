@@ -34,8 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from fidelity import _fmt_ci, ratio_ci, reference_server  # noqa: E402
 
-from service.analysis.metrics import Sample, is_bunched, summarize  # noqa: E402
+from service.analysis.metrics import is_bunched, summarize  # noqa: E402
 from service.analysis.server_metrics import Point, Scraper  # noqa: E402
+from service.core.sample import Sample  # noqa: E402
 from service.core.spec import RunSpec  # noqa: E402
 from service.core.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model  # noqa: E402
 from service.load.generator import LoadGenerator, make_plan  # noqa: E402

@@ -17,15 +17,15 @@ from sqlalchemy import func
 from sqlmodel import Session, select
 
 from service.__main__ import ready_banner
-from service.analysis.metrics import Sample as SampleData
 from service.analysis.metrics import summarize
 from service.control import hub
 from service.core.ids import new_id
+from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.settings import Settings
 from service.storage import store
-from service.storage.tables import Baseline, Run, Sample, ServerMetricPoint
+from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint
 from tests.conftest import API_TOKEN, make_client, wait_finished, wait_for
 
 SMALL = {"input_len": 32, "output_len": 4, "num_prompts": 2, "max_concurrency": 2}
@@ -108,7 +108,7 @@ def test_the_login_form_still_takes_a_form(tmp_path: Path) -> None:
 def _stored_run(client: TestClient, status: RunStatus, **fields: Any) -> str:
     """A run written straight to the database with samples and server metric points."""
     engine = client.app.state.engine  # type: ignore[attr-defined]
-    samples = [SampleData(index=i, prompt_len=16, output_tokens=4, ttft=0.1, itl=[0.1] * 3,
+    samples = [Sample(index=i, prompt_len=16, output_tokens=4, ttft=0.1, itl=[0.1] * 3,
                       latency=0.4, start_time=100.0 + i, success=True) for i in range(3)]
     spec = RunSpec().model_dump()
     run = Run(id=new_id("r"), spec=spec, model=spec["model"], status=status.value, total=3,
@@ -136,7 +136,7 @@ def test_delete_of_a_finished_run_is_204_and_its_samples_are_gone(client: TestCl
     assert response.status_code == 204 and response.content == b""
     assert client.get(f"/api/runs/{run_id}").status_code == 404
     assert client.get(f"/api/runs/{run_id}/requests").status_code == 404
-    assert _rows(client, Sample, run_id) == 0
+    assert _rows(client, SampleRow, run_id) == 0
     assert _rows(client, ServerMetricPoint, run_id) == 0
     assert client.get("/api/baselines").json() == []
     assert client.get("/api/runs").json()["total"] == 0
@@ -177,7 +177,7 @@ def test_delete_of_an_unfinished_run_is_409_saying_cancel_it_first(
     assert response.status_code == 409
     assert "cancel it first" in _detail(response) and status.value in _detail(response)
     assert client.get(f"/api/runs/{run_id}").status_code == 200
-    assert _rows(client, Sample, run_id) == 3
+    assert _rows(client, SampleRow, run_id) == 3
 
 
 def _free_port() -> int:
@@ -218,7 +218,7 @@ def test_a_run_cancelled_mid_run_is_deleted_once_its_runner_let_go(
         assert answers[-1] == 204, answers
         time.sleep(0.5)  # nothing the runner did afterwards brings it back
         assert client.get(f"/api/runs/{run_id}").status_code == 404
-        assert _rows(client, Sample, run_id) == 0
+        assert _rows(client, SampleRow, run_id) == 0
 
 
 def test_delete_needs_the_api_token(client: TestClient) -> None:

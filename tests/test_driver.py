@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.analysis.metrics import Sample
+from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.driver import DriverConfig, DriverPool, Drivers, shard_concurrency, shard_count
 from service.load.generator import LoadShape, make_plan

@@ -14,9 +14,10 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from service.analysis.checks import dummy_moe, num_experts
-from service.analysis.metrics import Sample, summarize
+from service.analysis.metrics import summarize
 from service.control.vllm_cli import engine_flags
 from service.core.ids import new_id
+from service.core.sample import Sample
 from service.core.spec import EngineSpec, RunSpec
 from service.core.status import RunStatus
 from service.core.tinymodel import TINY_MODEL_NAME

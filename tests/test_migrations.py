@@ -24,7 +24,7 @@ from sqlalchemy import create_engine, event, inspect, text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import SQLModel
 
-from service.analysis.metrics import Sample as SampleData
+from service.core.sample import Sample
 from service.core.spec import point_key
 from service.storage import db, store
 from service.storage.db import current_revision, head_revision, make_engine, upgrade
@@ -171,7 +171,7 @@ def test_sample_stored_twice_keeps_its_first_copy(tmp_path: Path) -> None:
         assert [s.index for s in samples] == [0, 1, 2, 3, 4, 5]
         assert samples[2].ttft == pytest.approx(0.022)
         # Now unique: the same request stored again is kept once.
-        store.save_samples(engine, run_id, [SampleData(
+        store.save_samples(engine, run_id, [Sample(
             index=2, prompt_len=64, output_tokens=8, ttft=1.0, itl=[], latency=1.0,
             start_time=0.0, success=True)])
         assert [s.ttft for s in store.get_samples(engine, run_id)][2] == pytest.approx(0.022)

@@ -20,8 +20,8 @@ from service.analysis.checks import (
     infeasible,
     server_warnings,
 )
-from service.analysis.metrics import Sample
 from service.core.protocol import connector_totals
+from service.core.sample import Sample
 from tests.conftest import ServedTestClient, make_client, wait_finished
 
 

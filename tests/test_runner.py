@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.exc import OperationalError
 
-from service.analysis.metrics import Sample
+from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.storage import store

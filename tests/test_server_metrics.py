@@ -19,9 +19,10 @@ from fastapi.testclient import TestClient
 from sqlmodel import Session
 
 from service.analysis import server_metrics
-from service.analysis.metrics import Sample, summarize
+from service.analysis.metrics import summarize
 from service.analysis.server_metrics import Point, Scraper, in_flight, parse
 from service.core.ids import new_id
+from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.storage import store

@@ -15,7 +15,8 @@ from service.analysis.intervals import (
     ratio_by_requests,
     ratio_by_trials,
 )
-from service.analysis.metrics import Sample, summarize, summary_intervals
+from service.analysis.metrics import summarize, summary_intervals
+from service.core.sample import Sample
 
 
 @pytest.mark.parametrize("q", [0.5, 0.99])

@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.analysis.intervals import pooled_median_ci
-from service.analysis.metrics import Sample
 from service.analysis.stopping import itl_rule_met
+from service.core.sample import Sample
 from service.core.spec import RunSpec
 from tests.conftest import wait_finished
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.metrics import Sample
+from service.core.sample import Sample
 
 Warning_ = dict[str, Any]
 Point = tuple[float, Mapping[str, float]]

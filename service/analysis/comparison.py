@@ -28,9 +28,9 @@ from service.analysis.intervals import (
     ratio_by_requests,
     ratio_by_trials,
 )
-from service.analysis.metrics import Sample as SampleData
 from service.analysis.metrics import request_values
 from service.core.ids import utcnow
+from service.core.sample import Sample
 from service.core.spec import point_key
 from service.core.status import FINISHED, RunStatus
 from service.storage import store
@@ -82,7 +82,7 @@ class Arm:
     id: str
     runs: list[Run]
     _values: dict[str, list[np.ndarray]] | None = field(default=None, repr=False)
-    _samples: list[list[SampleData]] | None = field(default=None, repr=False)
+    _samples: list[list[Sample]] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> list[Run]:
@@ -99,10 +99,10 @@ class Arm:
     def trial_values(self, key: str) -> list[float]:
         return [float(v) for r in self.ok if isinstance(v := (r.summary or {}).get(key), int | float)]
 
-    def samples(self, engine: Engine) -> list[list[SampleData]]:
+    def samples(self, engine: Engine) -> list[list[Sample]]:
         """Each succeeded trial's samples."""
         if self._samples is None:
-            self._samples = [store.get_sample_data(engine, r.id) for r in self.ok]
+            self._samples = [store.get_samples(engine, r.id) for r in self.ok]
         return self._samples
 
     def request_groups(self, engine: Engine, name: str) -> list[np.ndarray]:

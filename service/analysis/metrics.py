@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 
 import numpy as np
 
 from service.analysis.intervals import pooled_quantile_ci
+from service.core.sample import Sample
 
 PERCENTILES: tuple[float, ...] = (50, 90, 95, 99)
 SLO_KEYS: tuple[str, ...] = ("ttft_ms", "tpot_ms", "e2el_ms")
@@ -59,41 +59,6 @@ BUNCHED_SHARE = 0.1
 ITL_OF_TPOT = 0.5
 
 Summary = dict[str, float | int | list[float] | None]
-
-
-@dataclass
-class Sample:
-    """One request's raw measurement (seconds, ``time.perf_counter`` clock of the client)."""
-
-    index: int
-    prompt_len: int
-    output_tokens: int
-    ttft: float
-    itl: list[float]
-    latency: float
-    start_time: float
-    success: bool
-    error: str = ""
-    due_time: float | None = None
-    sent_time: float | None = None
-    generated_text: str = field(default="", repr=False)
-
-    def counted_output_tokens(self) -> int:
-        """Output tokens as counted for the summary: the server's usage, else one per streamed chunk."""
-        if not self.success:
-            return 0
-        if self.output_tokens:
-            return self.output_tokens
-        # Without usage, vLLM re-tokenizes the text; we have no tokenizer, and with
-        # one token per chunk (vLLM's server streams that way) the count is the same.
-        return len(self.itl) + 1
-
-    def tpot(self) -> float | None:
-        """Time per output token after the first, or None when there is at most one."""
-        n = self.counted_output_tokens()
-        if n <= 1:
-            return None
-        return (self.latency - self.ttft) / (n - 1)
 
 
 def percentile_key(p: float) -> str:

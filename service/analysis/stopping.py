@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from service.analysis.intervals import Interval, pooled_median_ci
-from service.analysis.metrics import Sample, steady_gaps
+from service.analysis.metrics import steady_gaps
+from service.core.sample import Sample
 from service.core.spec import RunSpec
 
 # Rules, as recorded in ``Run.stopped_by["rule"]``.

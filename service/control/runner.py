@@ -32,7 +32,7 @@ from service.analysis.checks import (
     infeasible,
     server_warnings,
 )
-from service.analysis.metrics import Sample, run_warnings, summarize, summary_intervals
+from service.analysis.metrics import run_warnings, summarize, summary_intervals
 from service.analysis.server_metrics import RUNNING, WAITING, Scraper
 from service.analysis.server_metrics import Point as ScrapedPoint
 from service.analysis.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
@@ -43,6 +43,7 @@ from service.control.local import Launcher
 from service.control.vllm_cli import local_model_config
 from service.core.ids import utcnow
 from service.core.protocol import connector_totals
+from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import RunStatus
 from service.load.driver import DriverError, DriverPool, Drivers

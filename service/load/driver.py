@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from service.analysis.metrics import Sample
 from service.control.procs import log_tail
+from service.core.sample import Sample
 from service.load.generator import LoadGenerator, LoadShape, make_plan
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ import aiohttp
 import numpy as np
 from pydantic import BaseModel
 
-from service.analysis.metrics import Sample
+from service.core.sample import Sample
 from service.core.tinymodel import FIRST_ORDINARY_ID
 
 if TYPE_CHECKING:

@@ -21,14 +21,14 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service.analysis.metrics import Sample as SampleData
 from service.control import provenance
 from service.core.ids import new_id, utcnow
+from service.core.sample import Sample
 from service.core.spec import RunSpec, point_key
 from service.core.status import FINISHED, RunStatus, sources_of
 from service.core.sweep import SweepCreate
 from service.storage.db import write_session
-from service.storage.tables import Baseline, Run, Sample, ServerMetricPoint, Sweep, Worker
+from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint, Sweep, Worker
 from service.web.errors import Conflict, Invalid, NotFound, shown
 from service.web.schemas import RunPublic, SweepPublic
 
@@ -166,7 +166,7 @@ def list_runs(
         return runs, int(total)
 
 
-def save_samples(engine: Engine, run_id: str, samples: Sequence[SampleData]) -> None:
+def save_samples(engine: Engine, run_id: str, samples: Sequence[Sample]) -> None:
     """Store raw samples of a run. A sample is kept once: one already stored under its
     (run, index) is left as it is."""
     if not samples:
@@ -175,7 +175,7 @@ def save_samples(engine: Engine, run_id: str, samples: Sequence[SampleData]) -> 
     with Session(engine) as session:
         # In slices: SQLite caps the variables of one statement.
         for i in range(0, len(rows), SAVE_SLICE):
-            session.exec(sqlite_insert(Sample).values(rows[i:i + SAVE_SLICE]).on_conflict_do_nothing())
+            session.exec(sqlite_insert(SampleRow).values(rows[i:i + SAVE_SLICE]).on_conflict_do_nothing())
         session.commit()
 
 
@@ -191,16 +191,10 @@ def count_worker_run(engine: Engine, worker_id: str) -> None:
 def get_samples(engine: Engine, run_id: str) -> list[Sample]:
     """The stored samples of a run, by request index."""
     with Session(engine) as session:
-        return list(
-            session.exec(select(Sample).where(Sample.run_id == run_id).order_by(col(Sample.index))).all()
-        )
-
-
-def get_sample_data(engine: Engine, run_id: str) -> list[SampleData]:
-    """The stored samples of a run as the metrics module's records."""
-    return [
-        SampleData(**row.model_dump(exclude={"id", "run_id"})) for row in get_samples(engine, run_id)
-    ]
+        rows = session.exec(
+            select(SampleRow).where(SampleRow.run_id == run_id).order_by(col(SampleRow.index))
+        ).all()
+        return [Sample(**row.model_dump(exclude={"id", "run_id"})) for row in rows]
 
 
 def fail_interrupted(engine: Engine) -> int:
@@ -429,7 +423,7 @@ def delete_run(engine: Engine, run_id: str) -> None:
             ).one()
             if not others:
                 arms.append(run.group_id)
-        session.exec(delete(Sample).where(col(Sample.run_id) == run_id))
+        session.exec(delete(SampleRow).where(col(SampleRow.run_id) == run_id))
         session.exec(delete(ServerMetricPoint).where(col(ServerMetricPoint.run_id) == run_id))
         session.exec(delete(Baseline).where(col(Baseline.arm).in_(arms)))
         session.exec(delete(Run).where(col(Run.id) == run_id))

@@ -73,8 +73,10 @@ class Sweep(SQLModel, table=True):
     created_at: datetime = SQLField(default_factory=utcnow, index=True)
 
 
-class Sample(SQLModel, table=True):
-    """One request's raw measurement, as the client saw it; one row per (run, index)."""
+class SampleRow(SQLModel, table=True):
+    """A ``service.core.sample.Sample`` as stored: one row per (run, index)."""
+
+    __tablename__ = "sample"
 
     __table_args__ = (Index(SAMPLE_UNIQUE_INDEX, "run_id", "index", unique=True),)
 

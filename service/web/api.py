@@ -20,6 +20,7 @@ from service.analysis.metrics import export_vllm, is_bunched
 from service.control import hub, provenance
 from service.control.vllm_cli import serve_command
 from service.core.protocol import ConnectorReport, FillAnswer, WorkerProvenance, connector_totals
+from service.core.sample import Sample
 from service.core.servers import WorkerRegister
 from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import FINISHED, RunStatus
@@ -34,7 +35,6 @@ from service.web.schemas import (
     GroupPublic,
     RunList,
     RunPublic,
-    SamplePublic,
     ServerMetricsPublic,
     ServerMetricsSummary,
     ServerPointPublic,
@@ -128,11 +128,11 @@ def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
     return RunPublic.of(store.get_run(engine, run.id))
 
 
-@router.get("/api/runs/{run_id}/requests", response_model=list[SamplePublic], dependencies=READ)
-def get_requests(run_id: str, engine: DB) -> list[SamplePublic]:
+@router.get("/api/runs/{run_id}/requests", response_model=list[Sample], dependencies=READ)
+def get_requests(run_id: str, engine: DB) -> list[Sample]:
     """Raw per-request samples of a run (seconds, client clock)."""
     store.get_run(engine, run_id)
-    return [SamplePublic.model_validate(r, from_attributes=True) for r in store.get_samples(engine, run_id)]
+    return store.get_samples(engine, run_id)
 
 
 @router.get("/api/runs/{run_id}/server-metrics", response_model=ServerMetricsPublic, dependencies=READ)
@@ -181,7 +181,7 @@ def export_run(
 ) -> JSONResponse | Response:
     """The run as vLLM-bench-compatible JSON, or its samples as CSV."""
     run = store.get_run(engine, run_id)
-    samples = store.get_sample_data(engine, run_id)
+    samples = store.get_samples(engine, run_id)
     name = f"decodebench-{run.id}"
     if format == "csv":
         mode = run.spec.get("mode", "fill")

@@ -18,10 +18,10 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from service.analysis import comparison, server_metrics
-from service.analysis.metrics import Sample as SampleData
 from service.analysis.metrics import peak_in_flight
 from service.control.procs import log_tail
 from service.core.protocol import connector_totals
+from service.core.sample import Sample
 from service.core.spec import EngineSpec, effective_load_format, worker_key
 from service.core.status import FINISHED, RunStatus
 from service.storage import store
@@ -283,7 +283,7 @@ def index(
 def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
     """One run: its spec, status, and every summary number."""
     run = store.get_run(engine, run_id)
-    every = store.get_sample_data(engine, run_id)
+    every = store.get_samples(engine, run_id)
     samples = [s for s in every if s.success]
     origin = min((s.start_time for s in samples), default=0.0)
     tpots = [t * 1000 for s in samples if (t := s.tpot()) is not None]
@@ -328,7 +328,7 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
     )
 
 
-def server_view(points: Sequence[Mapping[str, Any]], samples: Sequence[SampleData]) -> Markup | None:
+def server_view(points: Sequence[Mapping[str, Any]], samples: Sequence[Sample]) -> Markup | None:
     """The server's running/waiting requests and KV cache use next to the requests the client
     had in flight, on one time line (seconds since the first request); None with no points.
 

@@ -88,23 +88,6 @@ class RunList(BaseModel):
     offset: int
 
 
-class SamplePublic(BaseModel):
-    """One request's raw sample (seconds, client clock)."""
-
-    index: int
-    prompt_len: int
-    output_tokens: int
-    ttft: float
-    itl: list[float]
-    latency: float
-    start_time: float
-    due_time: float | None
-    sent_time: float | None
-    success: bool
-    error: str
-    generated_text: str
-
-
 class WorkerPublic(BaseModel):
     """A vLLM server as the API returns it."""
 

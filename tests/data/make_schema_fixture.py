@@ -32,9 +32,9 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from service.analysis.metrics import Sample as SampleData
 from service.analysis.metrics import summarize
 from service.core.ids import utcnow
+from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.core.sweep import SweepCreate
@@ -45,12 +45,12 @@ from service.storage.tables import Worker
 SPEC = {"input_len": 64, "output_len": 8, "num_prompts": 6, "max_concurrency": 2}
 
 
-def samples(count: int, first: int = 0) -> list[SampleData]:
+def samples(count: int, first: int = 0) -> list[Sample]:
     """``count`` successful requests of 8 output tokens, 10 ms apart; the last one failed."""
     out = []
     for i in range(first, first + count):
         ok = i < first + count - 1
-        out.append(SampleData(index=i, prompt_len=64, output_tokens=8 if ok else 0,
+        out.append(Sample(index=i, prompt_len=64, output_tokens=8 if ok else 0,
                               ttft=0.020 + i / 1000, itl=[0.005] * 7 if ok else [],
                               latency=0.060 + i / 1000 if ok else 0.5, start_time=0.01 * i,
                               success=ok, error="" if ok else "stream ended early",
@@ -58,7 +58,7 @@ def samples(count: int, first: int = 0) -> list[SampleData]:
     return out
 
 
-def finish(engine: Engine, run_id: str, worker_id: str, data: list[SampleData]) -> None:
+def finish(engine: Engine, run_id: str, worker_id: str, data: list[Sample]) -> None:
     """Take a queued run through starting and running to succeeded, with its samples."""
     store.transition(engine, run_id, RunStatus.starting, worker_id=worker_id, started_at=utcnow())
     store.transition(engine, run_id, RunStatus.running)
