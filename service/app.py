@@ -1,4 +1,4 @@
-"""The app factory: ``create_app(settings)`` wires the database, HTTP client, launcher
+"""The app factory: ``create_app(settings)`` wires the database, HTTP client, fleet
 and scheduler into a FastAPI app whose lifespan owns them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import httpx
 from fastapi import FastAPI
 
 from service.control import provenance
-from service.control.local import Launcher
+from service.control.fleet import Fleet
 from service.control.queue import Scheduler
 from service.settings import Settings
 from service.storage.db import LOOP_EXECUTOR_THREADS, THREADPOOL_THREADS, make_engine
@@ -41,8 +41,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.to_thread(provenance.service_facts)
         engine = make_engine(settings.db_path)
         client = httpx.AsyncClient()
-        launcher = Launcher(settings, engine, client)
-        scheduler = Scheduler(settings, engine, launcher)
+        fleet = Fleet(settings, engine, client)
+        scheduler = Scheduler(settings, engine, fleet)
         app.state.settings = settings
         app.state.engine = engine
         app.state.scheduler = scheduler

@@ -14,7 +14,7 @@ SMALL = {"input_len": 32, "output_len": 4, "num_prompts": 2, "max_concurrency": 
 def _finished_run(client: TestClient, **spec: Any) -> tuple[dict[str, Any], str]:
     run = client.post("/api/runs", json={**SMALL, **spec}).json()
     done = wait_finished(client, run["id"])
-    launcher = client.app.state.scheduler.launcher  # type: ignore[attr-defined]
+    launcher = client.app.state.scheduler.fleet  # type: ignore[attr-defined]
     token = launcher.tokens[done["worker_id"]]
     return done, token
 

@@ -145,7 +145,7 @@ def test_the_run_page_shows_the_provenance(
     assert "1,600,000 tokens" in page
     assert "&lt;redacted&gt;" in page
     # The worker's real token shows nowhere a reader can look.
-    token = client.app.state.scheduler.launcher.tokens[run["worker_id"]]  # type: ignore[attr-defined]
+    token = client.app.state.scheduler.fleet.tokens[run["worker_id"]]  # type: ignore[attr-defined]
     assert token not in page
     assert token not in client.get(f"/api/runs/{run['id']}").text
     assert token not in client.get(f"/api/runs/{run['id']}/export").text

@@ -37,7 +37,7 @@ def ids_and_worker_token(client: TestClient) -> tuple[str, str, str]:
     run = client.post("/api/runs", json=SMALL).json()
     done = wait_finished(client, run["id"])
     sweep = client.post("/api/sweeps", json={"base": SMALL, "grid": {"output_len": [2]}}).json()
-    token = client.app.state.scheduler.launcher.tokens[done["worker_id"]]  # type: ignore[attr-defined]
+    token = client.app.state.scheduler.fleet.tokens[done["worker_id"]]  # type: ignore[attr-defined]
     return run["id"], sweep["id"], token
 
 

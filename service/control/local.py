@@ -1,4 +1,6 @@
-"""vLLM worker processes: start, wait until healthy, stop, and clean up after a crash.
+"""vLLM servers as local processes: start, wait until healthy, stop, and clean up after a
+crash. The fleet (``service.control.fleet``) holds the handles; this module does the
+process work.
 
 Each worker leads a process group of its own (in the service's session: see
 ``service.control.procs``) so that stopping it reaches the engine core and worker processes
@@ -16,6 +18,7 @@ import secrets
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,6 @@ from service.control.procs import (
     log_tail,
     stop_process_group,
 )
-from service.control.registered import RegisteredServers
 from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
@@ -50,24 +52,37 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class Launcher(RegisteredServers):
-    """Owns the vLLM worker processes of this service, and the registered servers it drives."""
+class LocalServers:
+    """Starts and stops the vLLM worker processes of this service."""
 
     def __init__(self, settings: Settings, engine: Engine, client: httpx.AsyncClient) -> None:
         self.settings = settings
         self.engine = engine
         self.client = client
-        self.workers: dict[str, WorkerHandle] = {}
         self.tokens: dict[str, str] = {}
+        # Ports chosen for servers whose process is not holding them yet: two starts at once
+        # must not choose the same one.
+        self._reserved_ports: set[int] = set()
 
-    async def start(self, spec: RunSpec, gpus: list[str]) -> WorkerHandle:
-        """Start a worker for ``spec``'s model and engine and wait until it is healthy."""
+    async def start(self, spec: RunSpec, gpus: list[str], hold: Callable[[WorkerHandle], None],
+                    taken: set[int]) -> WorkerHandle:
+        """Start a worker for ``spec``'s model and engine and wait until it is healthy.
+        ``hold`` gets its handle as soon as its process exists; ``taken``: ports of the
+        servers held already."""
         worker_id = new_id("w")
         token = secrets.token_urlsafe(32)
         try:
-            port = free_port({h.port for h in self.workers.values()})
+            port = free_port(taken | self._reserved_ports)
         except NoFreePort as exc:
             raise WorkerError(str(exc)) from None
+        self._reserved_ports.add(port)
+        try:
+            return await self._start(spec, gpus, hold, worker_id, token, port)
+        finally:
+            self._reserved_ports.discard(port)
+
+    async def _start(self, spec: RunSpec, gpus: list[str], hold: Callable[[WorkerHandle], None],
+                     worker_id: str, token: str, port: int) -> WorkerHandle:
         argv, model_path = worker_argv(self.settings, spec, port, token, gpus)
         self.settings.logs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.settings.logs_dir / f"{worker_id}.log"
@@ -136,7 +151,7 @@ class Launcher(RegisteredServers):
             vocab_size=model_vocab_size(model_path),
             cpu_binding=cpu_binding,
         )
-        self.workers[worker_id] = handle
+        hold(handle)
         self.tokens[worker_id] = token
         try:
             await asyncio.to_thread(store.update_worker, self.engine, worker_id, pid=process.pid)
@@ -183,30 +198,17 @@ class Launcher(RegisteredServers):
             await asyncio.sleep(0.5)
 
     async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
-        """Stop the worker's whole process group: SIGTERM, then SIGKILL after the grace period.
-        A registered server is not ours to stop: it is marked unavailable until it answers again."""
-        if handle.process is None:
-            await self.set_unavailable(handle, error or status)
-            return
-        self.workers.pop(handle.id, None)
+        """Stop the worker's whole process group: SIGTERM, then SIGKILL after the grace period."""
+        assert handle.process is not None, "only started workers are stopped here"
         self.tokens.pop(handle.id, None)
         await asyncio.to_thread(stop_process_group, handle.process, self.settings.worker_stop_grace_s)
         await asyncio.to_thread(store.update_worker, self.engine, handle.id, status=status,
                                 stopped_at=utcnow(), error=error)
         log.info("worker %s %s", handle.id, status)
 
-    async def stop_all(self) -> None:
-        """Stop every worker this service started (registered servers stay registered)."""
-        for handle in list(self.workers.values()):
-            if not handle.external:
-                await self.stop(handle, error="the service shut down")
-
-    async def mark_dead(self, handle: WorkerHandle, error: str) -> None:
+    async def bury(self, handle: WorkerHandle, error: str) -> None:
         """Record that a worker died on its own; its group is still stopped."""
-        if handle.process is None:
-            await self.set_unavailable(handle, error)
-            return
-        self.workers.pop(handle.id, None)
+        assert handle.process is not None, "only started workers are buried here"
         self.tokens.pop(handle.id, None)
 
         def bury(process: subprocess.Popen[bytes]) -> None:

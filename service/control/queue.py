@@ -2,9 +2,11 @@
 
 Lifecycle of one run (each step a guarded status change, see ``store``):
 queued -> starting (a worker is found or started) -> running (load is driven)
--> succeeded | failed. A cancel from the API moves the run to ``cancelled``
-first and then cancels its task here; samples taken so far are kept. What happens
-to a run once placed is ``service.control.runner``'s; where it goes is ``service.control.placement``'s.
+-> succeeded | failed | cancelled. A queued run nobody placed yet is cancelled by the
+API's guarded write; a placed one by a message to its runner, which ends it (samples
+taken so far are kept). What happens to a run once placed is
+``service.control.runner``'s; where it goes is ``service.control.placement``'s; the
+servers and drivers it gets are ``service.control.fleet``'s.
 
 On this service's start, runs a previous process left ``starting``/``running``
 are failed and worker process groups it left behind are stopped before any new
@@ -15,20 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from service.control.handles import WorkerHandle
-from service.control.local import Launcher
-from service.control.placement import QueuedRow, WorkerRow, place
-from service.control.runner import Placement, Runner, ensure_ended
+from service.control.fleet import Fleet
+from service.control.placement import QueuedRow, place
+from service.control.runner import Runner, ensure_ended
 from service.core.spec import RunSpec, describe
 from service.core.status import RunStatus
-from service.load.driver import DriverPool
 from service.settings import Settings
 from service.storage import store
 
@@ -42,40 +43,35 @@ SHUTDOWN_WAIT_S = 10.0
 class Scheduler:
     """Places queued runs on workers: side by side on disjoint GPUs, one at a time on a CPU."""
 
-    def __init__(self, settings: Settings, engine: Engine, launcher: Launcher) -> None:
+    def __init__(self, settings: Settings, engine: Engine, fleet: Fleet) -> None:
         self.settings = settings
         self.engine = engine
-        self.launcher = launcher
+        self.fleet = fleet
         self._wakeup = asyncio.Event()
+        # The runner of every placed run until it has ended, and its task.
+        self._runners: dict[str, Runner] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._cancelled: set[str] = set()
         self.loop_task: asyncio.Task[None] | None = None
         self.probe_task: asyncio.Task[None] | None = None
         self._probe_wakeup = asyncio.Event()
-        # Runs placed but whose worker is not up yet, with the GPUs they hold.
-        self._starting: dict[str, Placement] = {}
-        # Workers set aside for eviction and not stopped yet: they hold their GPUs.
-        self._stopping: dict[str, WorkerHandle] = {}
-        self.drivers = DriverPool(settings.logs_dir)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Tasks of the loop's own that nothing else holds (asyncio keeps weak references).
+        self._waiters: set[asyncio.Future[None]] = set()
 
     async def recover(self) -> None:
         """Fail runs interrupted by a previous crash, stop its orphaned workers, and take
         back the registered servers (unavailable until probed)."""
         failed = await asyncio.to_thread(store.fail_interrupted, self.engine)
-        orphans = await asyncio.to_thread(self.launcher.reap_orphans)
+        orphans = await self.fleet.recover()
         if failed or orphans:
             log.warning("recovered: %d interrupted runs failed, %d orphaned workers stopped",
                         failed, orphans)
-        registered = await self.launcher.load_registered()
-        if registered:
-            log.info("%d registered workers to probe", registered)
 
     async def start(self) -> None:
         """Recover, then start the loop and the registered servers' prober as tasks."""
         await self.recover()
         self._loop = asyncio.get_running_loop()
-        self.drivers.start()
+        self.fleet.start()
         self.loop_task = asyncio.create_task(self.run_forever(), name="decodebench-scheduler")
         self.probe_task = asyncio.create_task(self.probe_forever(), name="decodebench-prober")
 
@@ -88,9 +84,9 @@ class Scheduler:
         becomes ready. Until cancelled."""
         while True:
             self._probe_wakeup.clear()
-            handles = [h for h in self.launcher.workers.values() if h.external]
+            handles = [h for h in self.fleet.workers.values() if h.external]
             results = await asyncio.gather(
-                *(self.launcher.probe(h) for h in handles), return_exceptions=True
+                *(self.fleet.probe(h) for h in handles), return_exceptions=True
             )
             for handle, result in zip(handles, results, strict=True):
                 if isinstance(result, Exception):
@@ -106,8 +102,7 @@ class Scheduler:
             await asyncio.wait_for(self._stop_tasks(), SHUTDOWN_WAIT_S)
         except TimeoutError:
             log.error("runs did not stop within %s s; stopping the workers anyway", SHUTDOWN_WAIT_S)
-        await self.drivers.close()
-        await self.launcher.stop_all()
+        await self.fleet.shutdown()
 
     async def _stop_tasks(self) -> None:
         for loop in (self.loop_task, self.probe_task):
@@ -144,17 +139,39 @@ class Scheduler:
         """Wake the loop: a run was queued or a slot was freed. From any thread."""
         self._on_loop(self._wakeup.set)
 
-    def cancel(self, run_id: str) -> None:
-        """Abort the run's in-flight work; the API already moved it to ``cancelled``.
-        From any thread."""
+    def cancel(self, run_id: str) -> Future[bool]:
+        """Ask the run's runner to cancel it. The future says, once the runner has ended,
+        True; or False at once when no runner has the run (it is queued, or over). From
+        any thread; call it again after a False if the run may have been placed since."""
+        answer: Future[bool] = Future()
 
         def cancel() -> None:
-            task = self._tasks.get(run_id)
-            if task is not None:
-                self._cancelled.add(run_id)
-                task.cancel()
+            runner = self._runners.get(run_id)
+            if runner is None:
+                answer.set_result(False)
+                return
+            runner.cancel()
+
+            async def wait_end() -> None:
+                await runner.ended.wait()
+                answer.set_result(True)
+
+            waiter = asyncio.ensure_future(wait_end())
+            self._waiters.add(waiter)
+            waiter.add_done_callback(self._waiters.discard)
 
         self._on_loop(cancel)
+        return answer
+
+    def reported(self, run_id: str) -> None:
+        """The connector reported on the run: its runner hears of it. From any thread."""
+
+        def tell() -> None:
+            runner = self._runners.get(run_id)
+            if runner is not None:
+                runner.reported()
+
+        self._on_loop(tell)
 
     def handling(self, run_id: str) -> bool:
         """Whether a runner still works on the run (a cancelled run's runner winds down
@@ -188,30 +205,21 @@ class Scheduler:
                 await self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}")
                 continue
             queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size))
-        workers = [self._row(h, stopping=False) for h in self.launcher.workers.values()]
-        workers += [self._row(h, stopping=True) for h in self._stopping.values()]
-        starting = [(p.key, p.gpus) for p in self._starting.values()]
-        handles = {**self.launcher.workers, **self._stopping}
+        workers, starting = self.fleet.rows()
         failed: list[tuple[str, str]] = []
-        for decision in place(queued, workers, starting, self.settings.gpu_ids()):
+        for decision in place(queued, workers, starting, self.fleet.gpu_ids()):
             if decision.fail is not None:
                 failed.append((decision.run_id, decision.fail))
                 continue
-            placement = Placement(key=decision.key)
-            if decision.reuse is not None:
-                placement.reuse = handles[decision.reuse]
-                placement.reuse.busy_run = decision.run_id
-            else:
-                placement.gpus = list(decision.gpus)
-                placement.evict = [handles[w] for w in decision.evict]
-                for handle in placement.evict:
-                    # No longer placeable; its GPUs stay held until it has stopped.
-                    self.launcher.workers.pop(handle.id, None)
-                    self._stopping[handle.id] = handle
-                self._starting[decision.run_id] = placement
-            spec = specs[decision.run_id]
-            task = asyncio.create_task(self._execute_placed(decision.run_id, spec, placement))
-            self._tasks[decision.run_id] = task
+            placement = self.fleet.reserve(decision)
+            run_id = decision.run_id
+            runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement)
+            self._runners[run_id] = runner
+            task = asyncio.create_task(self._execute_placed(runner), name=f"runner-{run_id}")
+            self._tasks[run_id] = task
+            # A task cancelled before its first step never runs its body (nor its
+            # ``finally``): what the run holds is given back from here then.
+            task.add_done_callback(functools.partial(self._ended_unrun, runner))
         # After the placements: no await may come between a decision and its task, or the
         # state the decision was made on could change under it.
         for run_id, error in failed:
@@ -225,49 +233,42 @@ class Scheduler:
 
         await asyncio.to_thread(fail)
 
-    @staticmethod
-    def _row(handle: WorkerHandle, stopping: bool) -> WorkerRow:
-        return WorkerRow(
-            id=handle.id, key=handle.key, external=handle.external, ready=handle.ready,
-            busy=handle.busy_run is not None, gpus=tuple(handle.gpus),
-            last_used=handle.last_used, stopping=stopping,
-        )
-
     async def _reap_dead_workers(self) -> None:
-        for handle in list(self.launcher.workers.values()):
-            if handle.process is not None and not handle.alive() and handle.busy_run is None:
-                await self.launcher.mark_dead(
-                    handle, f"exited with code {handle.process.returncode}; "
-                    f"last log lines:\n{handle.tail()}"
-                )
+        await self.fleet.reap_dead()
 
-    async def _execute_placed(self, run_id: str, spec: RunSpec, placement: Placement) -> None:
-        runner = Runner(self.settings, self.engine, self.launcher, self.drivers, run_id, spec, placement,
-                        cancelled_by_user=lambda: run_id in self._cancelled)
+    async def _execute_placed(self, runner: Runner) -> None:
         try:
             await runner.run()
         except Exception:
-            log.exception("run %s: its runner failed", run_id)
+            log.exception("run %s: its runner failed", runner.run_id)
         finally:
-            # Workers set aside for eviction are stopped even if the run never got to it
-            # (cancelled while queued): nothing else holds them any more.
-            for handle in placement.evict:
-                if handle.alive():
-                    try:
-                        await self.launcher.stop(handle, error=f"stopped to make room for run {run_id}")
-                    except BaseException:
-                        log.exception("stopping worker %s failed", handle.id)
-                self._stopping.pop(handle.id, None)
-            self._starting.pop(run_id, None)
-            # Every worker this run used is idle again, and was used just now (least
-            # recently used eviction reads it).
-            used = [h for h in (placement.reuse, runner.handle) if h is not None]
-            used += [h for h in self.launcher.workers.values() if h.busy_run == run_id]
-            for handle in used:
-                if handle.busy_run == run_id:
-                    handle.busy_run = None
-                    handle.last_used = time.monotonic()
+            await self._give_back(runner)
+
+    async def _give_back(self, runner: Runner) -> None:
+        """After a runner: what its run held goes back to the fleet, a run it left
+        unended is failed, and the loop looks for work. Once per runner."""
+        run_id = runner.run_id
+        if self._runners.get(run_id) is not runner:
+            return
+        try:
+            await self.fleet.release_evicted(run_id, runner.placement)
+            used = [h for h in (runner.placement.reuse, runner.handle) if h is not None]
+            self.fleet.release(run_id, used)
             await asyncio.to_thread(ensure_ended, self.engine, run_id)
+        finally:
+            self._runners.pop(run_id, None)
             self._tasks.pop(run_id, None)
-            self._cancelled.discard(run_id)
+            runner.ended.set()
             self.notify()
+
+    def _ended_unrun(self, runner: Runner, _task: asyncio.Task[None]) -> None:
+        """A runner's task is done; if it never ran (cancelled before its first step),
+        give back what its run holds now."""
+        if self._runners.get(runner.run_id) is not runner:
+            return
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        cleanup = asyncio.ensure_future(self._give_back(runner))
+        self._waiters.add(cleanup)
+        cleanup.add_done_callback(self._waiters.discard)

@@ -32,7 +32,7 @@ LAST_SEEN_EVERY_S = 30.0
 
 
 class RegisteredServers:
-    """The registered servers' part of the launcher (``service.control.local.Launcher``), which
+    """The registered servers' part of the fleet (``service.control.fleet.Fleet``), which
     holds them in ``workers`` next to the ones it starts."""
 
     engine: Engine

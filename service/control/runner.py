@@ -1,11 +1,13 @@
 """One run, one owner: from its placement to its final status.
 
-The runner gets the run's worker (reused, or started after the idle workers its
-placement evicts are stopped), starts its load drivers (``service.load.driver``), keeps
-its samples as they arrive (persisted in batches, each sample exactly once), watches
-the worker, summarises, and writes the final status. Every way a run can end goes
-through ``_end`` (one error path); if even that write fails, ``ensure_ended`` (called by
-the scheduler after the runner returns) tries again, so no run stays ``running``.
+The runner is the only writer of a placed run's state. It gets the run's server and
+load drivers from the fleet (``service.control.fleet``), keeps its samples as they
+arrive (persisted in batches, each sample exactly once), watches the server,
+summarises, and writes the final status. Others talk to it by message: a user's cancel
+(``cancel``) and the connector's reports (``reported``) reach it in-process. Every way a
+run can end goes through ``_end`` (one exit); if even that write fails, ``ensure_ended``
+(called by the scheduler after the runner returns) tries again, so no run stays
+``running``.
 """
 
 from __future__ import annotations
@@ -15,11 +17,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
@@ -38,15 +37,15 @@ from service.analysis.server_metrics import Point as ScrapedPoint
 from service.analysis.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
 from service.analysis.stopping import record as stop_record
 from service.control import hub, provenance
+from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
-from service.control.local import Launcher
 from service.control.vllm_cli import local_model_config
 from service.core.ids import utcnow
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import RunStatus
-from service.load.driver import DriverError, DriverPool, Drivers
+from service.load.driver import DriverError
 from service.settings import Settings
 from service.storage import store
 
@@ -74,17 +73,6 @@ STALL_TTFT_FACTOR = 3.0
 SLOWEST_PREFILL_TOKENS_S = 1000.0
 
 
-@dataclass
-class Placement:
-    """Where a run goes: an idle worker of its kind, or GPUs for a new worker (after
-    stopping the idle workers in ``evict``)."""
-
-    key: str
-    reuse: WorkerHandle | None = None
-    gpus: list[str] = field(default_factory=list)
-    evict: list[WorkerHandle] = field(default_factory=list)
-
-
 class RunFailed(Exception):
     """The run cannot succeed; the message is its error as the user reads it."""
 
@@ -92,17 +80,19 @@ class RunFailed(Exception):
 class Runner:
     """Owns one placed run until it is succeeded, failed or cancelled."""
 
-    def __init__(self, settings: Settings, engine: Engine, launcher: Launcher, drivers: DriverPool,
-                 run_id: str, spec: RunSpec, placement: Placement,
-                 cancelled_by_user: Callable[[], bool]) -> None:
+    def __init__(self, settings: Settings, engine: Engine, fleet: Fleet, run_id: str, spec: RunSpec,
+                 placement: Placement) -> None:
         self.settings = settings
-        self.drivers = drivers
         self.engine = engine
-        self.launcher = launcher
+        self.fleet = fleet
         self.run_id = run_id
         self.spec = spec
         self.placement = placement
-        self.cancelled_by_user = cancelled_by_user
+        # Messages to the runner (see ``cancel`` and ``reported``).
+        self._cancel_asked = asyncio.Event()
+        self._report_came = asyncio.Event()
+        # Set once the run has ended (its end state written, or given back to the queue).
+        self.ended = asyncio.Event()
         self.samples: list[Sample] = []
         self._saved = 0
         # The worker's /metrics during the run, ``t`` on the samples' clock (perf_counter).
@@ -116,6 +106,20 @@ class Runner:
         # The longest time to first token of the run so far (s): a prefill this long is
         # not a hang (see ``_stalled``).
         self._longest_ttft = 0.0
+        # The watchdog's finding about the server (hung, stopped answering), once it has one.
+        self._server_failure: WorkerError | None = None
+
+    # ------------------------------------------------------------ messages
+
+    def cancel(self) -> None:
+        """A user cancelled the run: it stops sending, keeps what it measured and ends
+        ``cancelled``. On the runner's event loop."""
+        self._cancel_asked.set()
+
+    def reported(self) -> None:
+        """The connector reported counters for this run (stored already). On the runner's
+        event loop."""
+        self._report_came.set()
 
     # ------------------------------------------------------------ samples
 
@@ -152,22 +156,44 @@ class Runner:
     # ------------------------------------------------------------ the run
 
     async def run(self) -> None:
-        """Run to an end state. Cancellation by the service (shutdown) fails the run and
-        propagates; a user's cancel keeps the ``cancelled`` status and the samples."""
+        """Run to an end state. A user's cancel ends it ``cancelled`` with the samples it
+        has; cancellation by the service (shutdown) fails it and propagates."""
+        try:
+            await self._run_to_end()
+        finally:
+            if self._cancel_asked.is_set():
+                # Whatever way the run went, a cancelled one that is not over ends so (a
+                # guarded move: a finished run stays as it is).
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(store.transition, self.engine, self.run_id,
+                                            RunStatus.cancelled, error="cancelled by the user")
+            self.ended.set()
+
+    async def _run_to_end(self) -> None:
         reuse = self.placement.reuse
-        if reuse is not None and reuse.external and not await self._healthy(reuse):
+        if self._cancel_asked.is_set():
+            await self._cancelled_before_start()
+            return
+        if reuse is not None and reuse.external and not await self.fleet.healthy(reuse):
             # A registered server can go away between two probes: the run stays queued
             # for the next server that answers instead of failing on this one.
-            await self.launcher.set_unavailable(reuse, "did not answer /health as a run was about to start")
+            await self.fleet.set_unavailable(reuse, "did not answer /health as a run was about to start")
             return
         if not await asyncio.to_thread(store.transition, self.engine, self.run_id, RunStatus.starting):
             return
+        work = asyncio.create_task(self._run(), name=f"run-{self.run_id}")
+        cancel = asyncio.create_task(self._cancel_asked.wait())
         try:
-            await self._run()
-        except asyncio.CancelledError:
-            if self.cancelled_by_user():
-                await self._end(None, "")  # the API already moved it to ``cancelled``
+            await asyncio.wait({work, cancel}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                await self._end(RunStatus.cancelled, "cancelled by the user")
                 return
+            work.result()
+        except asyncio.CancelledError:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
             await self._end(RunStatus.failed, "the service stopped while this run was in progress")
             raise
         except (WorkerError, DriverError, RunFailed) as exc:
@@ -175,9 +201,17 @@ class Runner:
         except Exception as exc:
             log.exception("run %s failed", self.run_id)
             await self._end(RunStatus.failed, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            cancel.cancel()
+
+    async def _cancelled_before_start(self) -> None:
+        """Cancelled while still queued: the guarded move from ``queued`` (the API may
+        have made it already, which is as good)."""
+        await asyncio.to_thread(store.transition, self.engine, self.run_id, RunStatus.cancelled,
+                                error="cancelled by the user")
 
     async def _run(self) -> None:
-        handle = self.handle = await self._worker()
+        handle = self.handle = await self._server()
         await asyncio.to_thread(store.count_worker_run, self.engine, handle.id)
         # The worker id goes in before the first request: the connector's
         # pull is only answered for runs assigned to the asking worker.
@@ -201,27 +235,29 @@ class Runner:
         if rule is None:
             rule = MAX_PROMPTS if spec.stop is not None else NUM_PROMPTS
         self.stopped_by = stop_record(rule, spec, sent, interval)
+        if self._server_failure is not None:
+            raise self._server_failure
         if not handle.alive():
-            tail = handle.tail()
-            await self.launcher.mark_dead(handle, "exited during a run")
+            tail = await asyncio.to_thread(handle.tail)
+            await self.fleet.bury(handle, "exited during a run")
             raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
         samples = self.samples
-        summary = summarize(samples, duration, self.spec.goodput.model_dump(exclude_none=True))
-        # Beside vLLM's keys: each latency statistic's 95% interval over requests.
-        summary.update(await asyncio.to_thread(summary_intervals, samples))
+        # Off the event loop: a big run's summary takes seconds of CPU.
+        summary = await asyncio.to_thread(self._summary, duration)
         ok = [s for s in samples if s.success]
-        if len(ok) < len(samples) and not await self._healthy(handle):
+        if len(ok) < len(samples) and not await self.fleet.healthy(handle):
             # A server that stopped answering is not reused: the next run gets a new one.
-            tail = handle.tail()
-            await self.launcher.stop(handle, status="failed", error="stopped answering")
+            tail = await asyncio.to_thread(handle.tail)
+            await self.fleet.retire(handle, "stopped answering")
             raise WorkerError(
                 f"vLLM server stopped answering during the run ({len(samples) - len(ok)} "
                 f"requests failed); last log lines:\n{tail}"
             )
         if not ok:
             first_error = next((s.error for s in samples if s.error), "no request succeeded")
+            tail = await asyncio.to_thread(handle.tail)
             await self._end(RunStatus.failed, f"every request failed; first error: {first_error}\n"
-                      f"last log lines of the vLLM server:\n{handle.tail()}", summary=summary)
+                      f"last log lines of the vLLM server:\n{tail}", summary=summary)
             return
         # Only a run whose requests came back is judged on the connector's account (a dead
         # or failing server has its own, clearer reason above).
@@ -231,17 +267,27 @@ class Runner:
         if failure is not None:
             await self._end(RunStatus.failed, failure, summary=summary)
             return
-        open_loop = self.spec.request_rate is not None
-        warnings = [
-            *run_warnings(samples, summary),
-            *warnings,
-            *server_warnings(self.points, samples, batch,
-                             recomputed=int(totals.get("recomputed_requests", 0))),
-            *client_warnings(samples, self.beats, open_loop),
+        recomputed = int(totals.get("recomputed_requests", 0))
+        warnings += await asyncio.to_thread(self._warnings, summary, batch, recomputed)
+        await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings)
+
+    def _summary(self, duration: float) -> dict[str, Any]:
+        """vLLM's summary keys and, beside them, each latency statistic's 95% interval over
+        requests. CPU work: called in a thread."""
+        summary = dict(summarize(self.samples, duration, self.spec.goodput.model_dump(exclude_none=True)))
+        summary.update(summary_intervals(self.samples))
+        return summary
+
+    def _warnings(self, summary: dict[str, Any], batch: int | None, recomputed: int) -> list[dict[str, Any]]:
+        """What the run's numbers should be read with. CPU and file work: called in a thread."""
+        spec = self.spec
+        return [
+            *run_warnings(self.samples, summary),
+            *server_warnings(self.points, self.samples, batch, recomputed=recomputed),
+            *client_warnings(self.samples, self.beats, spec.request_rate is not None),
             *dummy_moe(effective_load_format(spec.model, spec.engine.load_format),
                        local_model_config(self.settings, spec.model)),
         ]
-        await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings)
 
     async def _connector_totals(self, answered: int) -> dict[str, Any]:
         """The connector's counters for this run once they account for the ``answered``
@@ -250,17 +296,21 @@ class Runner:
         deadline = time.monotonic() + REPORT_WAIT_S
         tp = self.spec.engine.tensor_parallel_size
         while True:
+            # Cleared before the read: a report stored after it wakes the wait below.
+            self._report_came.clear()
             run = await asyncio.to_thread(store.get_run, self.engine, self.run_id)
             totals = connector_totals((run.connector or {}).get("ranks", {}))
             complete = totals["requests_seen"] >= answered and (
                 totals["filled_requests"] == 0
                 or (totals["worker_ranks"] >= tp and totals["requests_filled"] >= totals["filled_requests"])
             )
-            if complete or time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if complete or left <= 0:
                 return totals
-            await asyncio.sleep(0.1)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report_came.wait(), left)
 
-    async def _worker(self) -> WorkerHandle:
+    async def _server(self) -> WorkerHandle:
         if self.placement.reuse is not None:
             return self.placement.reuse
         # A stored spec skipped the filesystem checks (``RunSpec.stored``): a model
@@ -270,14 +320,9 @@ class Runner:
             hub.model_problem, self.spec.model, self.settings.hub_check)
         if problem is not None:
             raise RunFailed(problem)
-        for handle in self.placement.evict:
-            await self.launcher.stop(handle, error=f"stopped to make room for run {self.run_id} "
-                                                   f"({self.spec.model})")
-        handle = await self.launcher.start(self.spec, self.placement.gpus)
-        handle.busy_run = self.run_id
-        return handle
+        return await self.fleet.server_for(self.run_id, self.spec, self.placement)
 
-    async def _stop_when_known(self, drivers: Drivers) -> None:
+    async def _stop_when_known(self, drivers: LoadDrivers) -> None:
         """Tell the drivers to stop sending once the interval rule of the run's stop
         spec is met (checked on the samples so far, off the event loop)."""
         checked = 0
@@ -297,10 +342,7 @@ class Runner:
         """Drive the load from driver processes while watching the worker; return the
         duration, the measured requests sent and the stop rule that ended the sending
         (None: all were sent). Samples land in ``self.samples`` as they arrive."""
-        drivers = Drivers.for_run(
-            self.run_id, self.spec, handle.url, handle.served_model, handle.vocab_size,
-            self.settings.request_timeout_s, self.drivers, self.settings.driver_hang_s,
-        )
+        drivers = self.fleet.drivers_for(self.run_id, self.spec, handle)
         self.beats = drivers.beats
         failures = [0]
 
@@ -314,7 +356,7 @@ class Runner:
         # At the start and end always; during the run only when asked (``scrape_every_s``):
         # a scrape stalls every open stream of the server (see ``Settings``).
         every_s = self.settings.scrape_every_s
-        scraper = Scraper(self.launcher.client, handle.url, every_s=every_s or 1.0)
+        scraper = Scraper(self.fleet.client, handle.url, every_s=every_s or 1.0)
         # Scrapes are stamped with the wall clock; samples with perf_counter (one clock for
         # every process of this machine): points are moved onto the samples' clock.
         to_perf = time.perf_counter() - time.time()
@@ -378,16 +420,6 @@ class Runner:
                               self.run_id, attempt + 1, END_TRIES)
                 await asyncio.sleep(0.05 * 2 ** attempt)
 
-    async def _healthy(self, handle: WorkerHandle) -> bool:
-        """True if the worker is alive and answers /health within a few seconds."""
-        if not handle.alive():
-            return False
-        try:
-            response = await self.launcher.client.get(f"{handle.url}/health", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
     def stall_limit(self) -> float:
         """Seconds without a byte on any open stream after which the worker has hung:
         ``stall_s``, or more where a prefill may be that silent (one step of the engine
@@ -401,7 +433,7 @@ class Runner:
             return max(self.settings.stall_s, longest / SLOWEST_PREFILL_TOKENS_S)
         return self.settings.stall_s
 
-    async def _stalled(self, handle: WorkerHandle, drivers: Drivers) -> WorkerError | None:
+    async def _stalled(self, handle: WorkerHandle, drivers: LoadDrivers) -> WorkerError | None:
         """A ``WorkerError`` when streams are open and none got a byte for ``stall_limit``
         (the worker's /health may still answer: a stuck engine keeps its API server up)."""
         progress = drivers.quiet()
@@ -412,18 +444,20 @@ class Runner:
         if open_now == 0 or quiet < limit:
             return None
         said = await self._engine_says(handle)
-        tail = handle.tail()
-        await self.launcher.stop(handle, status="failed",
-                                 error=f"hung: no token on any open stream for {quiet:.0f} s")
-        return WorkerError(
+        tail = await asyncio.to_thread(handle.tail)
+        self._server_failure = WorkerError(
             f"vLLM server hung: none of the {open_now} open streams got a token for {quiet:.0f} s "
             f"(the limit: {limit:.0f} s; DECODEBENCH_STALL_S sets it, and it is more where a "
             f"prefill may be that silent), while {said}; last log lines:\n{tail}"
         )
+        # Known before the stop: requests failing meanwhile must not read as the server
+        # exiting on its own.
+        await self.fleet.retire(handle, f"hung: no token on any open stream for {quiet:.0f} s")
+        return self._server_failure
 
     async def _engine_says(self, handle: WorkerHandle) -> str:
         """What the worker's /metrics says it is doing, in words for an error message."""
-        point = await Scraper(self.launcher.client, handle.url).scrape()
+        point = await Scraper(self.fleet.client, handle.url).scrape()
         if point is None:
             return "its /metrics did not answer"
         running = point.values.get(RUNNING)
@@ -432,14 +466,14 @@ class Runner:
             return "its /metrics did not say how many requests it runs"
         return f"it reported {running:.0f} requests running and {waiting or 0:.0f} waiting"
 
-    async def _watch(self, handle: WorkerHandle, failures: list[int], drivers: Drivers) -> WorkerError:
+    async def _watch(self, handle: WorkerHandle, failures: list[int], drivers: LoadDrivers) -> WorkerError:
         """Return (never raise) once the worker has died, hung (``_stalled``), or stopped
         answering after a failed request; until then, watch."""
         checked = 0
 
         async def exited() -> WorkerError:
-            tail = handle.tail()
-            await self.launcher.mark_dead(handle, "exited during a run")
+            tail = await asyncio.to_thread(handle.tail)
+            await self.fleet.bury(handle, "exited during a run")
             return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
 
         while True:
@@ -448,17 +482,18 @@ class Runner:
                 return await exited()
             if failures[0] > checked:
                 checked = failures[0]
-                if not await self._healthy(handle):
+                if not await self.fleet.healthy(handle):
                     # A dying server refuses connections a moment before it is reaped.
                     await asyncio.sleep(WATCH_EVERY_S)
                     if not handle.alive():
                         return await exited()
-                    tail = handle.tail()
-                    await self.launcher.stop(handle, status="failed", error="stopped answering")
-                    return WorkerError(
+                    tail = await asyncio.to_thread(handle.tail)
+                    self._server_failure = WorkerError(
                         f"vLLM server stopped answering during the run ({checked} requests "
                         f"failed); last log lines:\n{tail}"
                     )
+                    await self.fleet.retire(handle, "stopped answering")
+                    return self._server_failure
             if (hung := await self._stalled(handle, drivers)) is not None:
                 return hung
 

@@ -18,6 +18,7 @@ from sqlmodel import Session, col, select
 from service.analysis import comparison, server_metrics
 from service.analysis.metrics import export_vllm, is_bunched
 from service.control import hub, provenance
+from service.control.queue import Scheduler
 from service.control.vllm_cli import serve_command
 from service.core.protocol import ConnectorReport, FillAnswer, WorkerProvenance, connector_totals
 from service.core.sample import Sample
@@ -48,6 +49,8 @@ from service.web.schemas import (
 router = APIRouter(responses=ERROR_RESPONSES)
 ADMIN = [Depends(require_admin)]
 READ = [Depends(require_reader)]
+# How long a cancel waits for the run's runner to end it (it stops its drivers and saves).
+CANCEL_WAIT_S = 30.0
 
 
 @router.post(
@@ -117,15 +120,32 @@ def delete_run(run_id: str, engine: DB, scheduler: Sched) -> Response:
 
 @router.post("/api/runs/{run_id}/cancel", response_model=RunPublic, dependencies=ADMIN)
 def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
-    """Cancel a queued or running run; 409 if it already finished."""
+    """Cancel a queued or running run; 409 if it already finished. A run being measured
+    stops sending, keeps what it measured and ends ``cancelled`` before the answer."""
     run = store.get_run(engine, run_id)
-    if not store.transition(engine, run_id, RunStatus.cancelled, error="cancelled by the user"):
+    if run.status in FINISHED:
+        raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
+    if not cancel_one(engine, scheduler, run_id, "cancelled by the user"):
         run = store.get_run(engine, run_id)
-        if run.status in FINISHED:
-            raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
-        raise Conflict(f"run {run_id} changed state while cancelling; try again")
-    scheduler.cancel(run_id)
+        raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
     return RunPublic.of(store.get_run(engine, run.id))
+
+
+def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -> bool:
+    """Cancel one unfinished run: its runner's, once one has it (waited for, up to
+    ``CANCEL_WAIT_S``); else the guarded move from ``queued``. False when it had finished."""
+    for _ in range(3):
+        try:
+            if scheduler.cancel(run_id).result(timeout=CANCEL_WAIT_S):
+                return True
+        except TimeoutError:
+            return True  # its runner is still winding down; it ends ``cancelled``
+        if store.transition(engine, run_id, RunStatus.cancelled, error=reason):
+            return True
+        if store.get_run(engine, run_id).status in FINISHED:
+            return False
+        # Placed between the two looks: its runner has it now.
+    return False
 
 
 @router.get("/api/runs/{run_id}/requests", response_model=list[Sample], dependencies=READ)
@@ -319,9 +339,8 @@ def cancel_group(group_id: str, engine: DB, scheduler: Sched) -> GroupPublic:
     runs = store.arm_runs(engine, group_id)
     cancelled = 0
     for run in runs:
-        if run.status not in FINISHED and store.transition(
-                engine, run.id, RunStatus.cancelled, error="cancelled by the user (its group)"):
-            scheduler.cancel(run.id)
+        if run.status not in FINISHED and cancel_one(engine, scheduler, run.id,
+                                                      "cancelled by the user (its group)"):
             cancelled += 1
     if not cancelled:
         raise Conflict(f"every trial of {group_id} already finished; nothing to cancel")
@@ -391,7 +410,7 @@ async def register_worker(body: WorkerRegister, request: Request, scheduler: Sch
     """Register a vLLM server started elsewhere; the answer holds its worker token and the
     exact ``vllm serve`` line to start it with (shown once)."""
     settings = request.app.state.settings
-    worker, token = await scheduler.launcher.register(body)
+    worker, token = await scheduler.fleet.register(body)
     control_url = body.control_url or settings.control_base_url()
     command, config = serve_command(body, control_url, token)
     scheduler.probe_now()
@@ -413,7 +432,7 @@ def get_worker(worker_id: str, engine: DB) -> WorkerPublic:
 async def remove_worker(worker_id: str, scheduler: Sched) -> Response:
     """Remove a registered server: no more runs go to it and its token stops working;
     409 while it serves a run."""
-    await scheduler.launcher.deregister(worker_id)
+    await scheduler.fleet.deregister(worker_id)
     return Response(status_code=204)
 
 
@@ -443,10 +462,13 @@ def connector_fill(
 def connector_report(
     report: ConnectorReport,
     engine: DB,
+    scheduler: Sched,
     worker: Annotated[Worker, Depends(require_worker)],
 ) -> Response:
     """Cumulative fill counters from a worker's connector, per run it served."""
     store.record_report(engine, worker.id, f"{report.role}:{report.rank}", report.counters())
+    for run_id in report.runs:
+        scheduler.reported(run_id)
     return Response(status_code=204)
 
 

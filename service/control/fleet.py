@@ -1,0 +1,271 @@
+"""The fleet: every vLLM server the service can place runs on, and the load drivers of
+its runs, behind one interface.
+
+The fleet is the one owner of every server handle and its state: placeable (ready or
+starting, idle or busy with one run), stopping (its GPUs stay held until its process group
+has exited), and the runs placed on a server that is not up yet. The scheduler reads that
+state (``rows``) and reserves what a placement decided (``reserve``); a run's runner gets
+its server (``server_for``), its load drivers (``drivers_for``), retires a server that
+failed (``retire``, ``bury``), and gives everything back once (``release``). Nothing else
+writes a handle's state.
+
+Where servers and drivers live is the backends' business: ``service.control.local`` starts
+vLLM processes on this machine, ``service.control.registered`` drives servers started
+elsewhere, and ``service.load.driver`` runs driver processes here. A backend that places
+them on other hosts plugs in behind the same methods: a server is a handle with a URL, a
+liveness check and a log tail; a run's drivers are a ``LoadDrivers`` that streams samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+from sqlalchemy import Engine
+
+from service.control.handles import WorkerHandle
+from service.control.local import LocalServers
+from service.control.placement import Decision, WorkerRow
+from service.control.registered import RegisteredServers
+from service.core.sample import Sample
+from service.core.spec import RunSpec
+from service.load.driver import DriverPool, Drivers
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+class LoadDrivers(Protocol):
+    """A run's load drivers as its runner sees them, wherever they run."""
+
+    beats: list[dict[str, float]]
+    stopped_rule: str | None
+    sent: int
+
+    async def run(self, on_sample: Callable[[Sample], None]) -> float:
+        """Send the run's requests; hand each sample on as it arrives; the duration (s)."""
+        ...
+
+    async def stop_sending(self, rule: str) -> None:
+        """Send no more requests; those sent finish and count."""
+        ...
+
+    def quiet(self) -> tuple[int, float] | None:
+        """Streams open, and seconds none of them got a byte (None: not known yet)."""
+        ...
+
+    def stderr_tail(self) -> str:
+        """What the drivers last said on their error output."""
+        ...
+
+
+@dataclass
+class Placement:
+    """Where a run goes: an idle server of its kind, or GPUs for a new server (after
+    stopping the idle servers in ``evict``)."""
+
+    key: str
+    reuse: WorkerHandle | None = None
+    gpus: list[str] = field(default_factory=list)
+    evict: list[WorkerHandle] = field(default_factory=list)
+
+
+class Fleet(RegisteredServers):
+    """The servers and drivers of this service (see the module docstring)."""
+
+    def __init__(self, settings: Settings, engine: Engine, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.client = client
+        # Servers runs can be placed on (ready, or starting for the run that waits on it).
+        self.workers: dict[str, WorkerHandle] = {}
+        # Servers being stopped: they take no runs and hold their GPUs until stopped.
+        self._stopping: dict[str, WorkerHandle] = {}
+        # Runs placed on a new server that is not up yet, with the GPUs they hold.
+        self._starting: dict[str, Placement] = {}
+        self.local = LocalServers(settings, engine, client)
+        self.driver_pool = DriverPool(settings.logs_dir)
+
+    @property
+    def tokens(self) -> dict[str, str]:
+        """Worker tokens of the servers this service started, by worker id."""
+        return self.local.tokens
+
+    # ------------------------------------------------------------ life of the service
+
+    async def recover(self) -> int:
+        """After a crash: stop worker process groups a previous service left, and take
+        back the registered servers (unavailable until probed). Returns how many
+        orphans were stopped."""
+        orphans = await asyncio.to_thread(self.local.reap_orphans)
+        registered = await self.load_registered()
+        if registered:
+            log.info("%d registered workers to probe", registered)
+        return orphans
+
+    def start(self) -> None:
+        """Start the spare driver processes (inside the event loop)."""
+        self.driver_pool.start()
+
+    async def shutdown(self) -> None:
+        """Stop the spare drivers and every server this service started."""
+        await self.driver_pool.close()
+        for handle in [*self.workers.values(), *self._stopping.values()]:
+            if not handle.external:
+                await self._stop(handle, "stopped", "the service shut down")
+
+    # ------------------------------------------------------------ what placement sees
+
+    def rows(self) -> tuple[list[WorkerRow], list[tuple[str, list[str]]]]:
+        """Every server as placement sees it (stopping ones too: they hold GPUs), and the
+        (kind, GPUs) of runs whose new server is not up yet."""
+        rows = [_row(h, stopping=False) for h in self.workers.values()]
+        rows += [_row(h, stopping=True) for h in self._stopping.values()]
+        return rows, [(p.key, p.gpus) for p in self._starting.values()]
+
+    def gpu_ids(self) -> list[str]:
+        """The GPUs servers may be placed on."""
+        return self.settings.gpu_ids()
+
+    def reserve(self, decision: Decision) -> Placement:
+        """Hold what a placement decided for its run, before any await: the reused server
+        is busy with it; evicted servers take no runs (their GPUs stay held); the GPUs of
+        a new server are the run's."""
+        placement = Placement(key=decision.key)
+        handles = {**self.workers, **self._stopping}
+        if decision.reuse is not None:
+            placement.reuse = handles[decision.reuse]
+            placement.reuse.busy_run = decision.run_id
+            return placement
+        placement.gpus = list(decision.gpus)
+        placement.evict = [handles[w] for w in decision.evict]
+        for handle in placement.evict:
+            self.workers.pop(handle.id, None)
+            self._stopping[handle.id] = handle
+        self._starting[decision.run_id] = placement
+        return placement
+
+    # ------------------------------------------------------------ a run's servers
+
+    async def server_for(self, run_id: str, spec: RunSpec, placement: Placement) -> WorkerHandle:
+        """The run's server: the one it reuses, or a new one started after the servers
+        its placement evicts have stopped."""
+        if placement.reuse is not None:
+            return placement.reuse
+        for handle in list(placement.evict):
+            await self._stop(handle, "stopped", f"stopped to make room for run {run_id} ({spec.model})")
+
+        def hold(handle: WorkerHandle) -> None:
+            # Called right after the process starts, before any await: a run cancelled
+            # while its server starts leaves nothing running that nobody holds.
+            handle.busy_run = run_id
+            self.workers[handle.id] = handle
+
+        taken = {h.port for h in (*self.workers.values(), *self._stopping.values())}
+        try:
+            return await self.local.start(spec, placement.gpus, hold, taken)
+        except BaseException:
+            for handle in list(self.workers.values()):
+                if handle.busy_run == run_id and not handle.ready:
+                    self.workers.pop(handle.id, None)
+            raise
+        finally:
+            self._starting.pop(run_id, None)
+
+    async def healthy(self, handle: WorkerHandle) -> bool:
+        """True if the server is alive and answers /health within a few seconds."""
+        if not handle.alive():
+            return False
+        try:
+            response = await self.client.get(f"{handle.url}/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def retire(self, handle: WorkerHandle, error: str) -> None:
+        """A server failed (hung, stopped answering): a started one is stopped (its GPUs
+        held until it has), a registered one takes no runs until it answers again."""
+        await self._stop(handle, "failed", error)
+
+    async def bury(self, handle: WorkerHandle, error: str) -> None:
+        """A server exited on its own: what is left of its process group is stopped."""
+        if handle.external:
+            await self.set_unavailable(handle, error)
+            return
+        await self._take_down(handle, lambda: self.local.bury(handle, error))
+
+    async def reap_dead(self) -> None:
+        """Bury started servers that exited while idle."""
+        for handle in list(self.workers.values()):
+            if handle.process is not None and not handle.alive() and handle.busy_run is None:
+                tail = await asyncio.to_thread(handle.tail)
+                await self.bury(handle, f"exited with code {handle.process.returncode}; "
+                                        f"last log lines:\n{tail}")
+
+    async def _stop(self, handle: WorkerHandle, status: str, error: str) -> None:
+        if handle.external:
+            await self.set_unavailable(handle, error)
+            return
+        await self._take_down(handle, lambda: self.local.stop(handle, status, error))
+
+    async def _take_down(self, handle: WorkerHandle, stop: Callable[[], object]) -> None:
+        """Stop a started server, holding it (and its GPUs and port) among the stopping
+        ones until its process group is gone."""
+        self.workers.pop(handle.id, None)
+        self._stopping[handle.id] = handle
+
+        async def stopping() -> None:
+            result = stop()
+            if asyncio.iscoroutine(result):
+                await result
+
+        task = asyncio.ensure_future(stopping())
+        # Held until the stop is done, even when the run that asked is cancelled meanwhile:
+        # the process group keeps its GPUs until it has exited.
+        task.add_done_callback(lambda _: self._stopping.pop(handle.id, None))
+        await asyncio.shield(task)
+
+    def release(self, run_id: str, used: list[WorkerHandle]) -> None:
+        """The run is over: the servers it used are idle again (and were used just now,
+        for least-recently-used eviction), and it holds no GPUs."""
+        self._starting.pop(run_id, None)
+        for handle in [*used, *self.workers.values()]:
+            if handle.busy_run == run_id:
+                handle.busy_run = None
+                handle.last_used = time.monotonic()
+
+    async def release_evicted(self, run_id: str, placement: Placement) -> None:
+        """Servers set aside for a run that never got to stop them are stopped now:
+        nothing else holds them any more."""
+        for handle in placement.evict:
+            if handle.id in self._stopping and handle.alive():
+                try:
+                    await self._stop(handle, "stopped", f"stopped to make room for run {run_id}")
+                except BaseException:
+                    log.exception("stopping worker %s failed", handle.id)
+            elif handle.id in self._stopping:
+                self._stopping.pop(handle.id, None)
+
+    # ------------------------------------------------------------ a run's drivers
+
+    def drivers_for(self, run_id: str, spec: RunSpec, handle: WorkerHandle) -> LoadDrivers:
+        """The load drivers of a run against its server."""
+        return Drivers.for_run(
+            run_id, spec, handle.url, handle.served_model, handle.vocab_size,
+            self.settings.request_timeout_s, self.driver_pool, self.settings.driver_hang_s,
+        )
+
+
+def _row(handle: WorkerHandle, stopping: bool) -> WorkerRow:
+    return WorkerRow(
+        id=handle.id, key=handle.key, external=handle.external, ready=handle.ready,
+        busy=handle.busy_run is not None, gpus=tuple(handle.gpus),
+        last_used=handle.last_used, stopping=stopping,
+    )
