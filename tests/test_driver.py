@@ -16,8 +16,9 @@ import pytest
 
 from service.core.sample import Sample
 from service.core.spec import RunSpec
-from service.load.driver import DriverConfig, DriverPool, Drivers, shard_concurrency, shard_count
+from service.load.driver import DriverConfig, shard_concurrency, shard_count
 from service.load.generator import LoadShape, make_plan
+from service.load.shards import DriverPool, Drivers
 from tests.service_process import _free_port
 
 TESTS = Path(__file__).resolve().parent

@@ -28,7 +28,7 @@ from service.control.placement import QueuedRow, WorkerRow, place
 from service.control.runner import Placement, Runner, ensure_ended
 from service.core.spec import RunSpec, describe
 from service.core.status import RunStatus
-from service.load.driver import DriverPool
+from service.load.shards import DriverPool
 from service.settings import Settings
 from service.storage import store
 
