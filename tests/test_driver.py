@@ -18,7 +18,7 @@ from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.driver import DriverConfig, shard_concurrency, shard_count
 from service.load.generator import LoadShape, make_plan
-from service.load.shards import DriverPool, Drivers
+from service.load.shards import DriverPool, Drivers, Progress
 from tests.service_process import _free_port
 
 TESTS = Path(__file__).resolve().parent
@@ -95,3 +95,24 @@ def test_shards_in_separate_processes_follow_one_schedule_on_one_clock(stub: str
     assert np.allclose(dues - dues[0], plan.offsets - plan.offsets[0], atol=1e-6)
     assert min(s.start_time for s in samples) >= dues[0] - 1e-3
     assert duration >= max(s.start_time + s.latency for s in samples) - dues[0] - 1e-3
+
+
+def test_quiet_is_how_long_open_streams_waited_for_bytes(tmp_path: Path) -> None:
+    shape = LoadShape.of(RunSpec(input_len=8, output_len=4, num_prompts=6))
+    configs = [DriverConfig(run_id="r-quiet", spec=shape, base_url="http://127.0.0.1:1",
+                            served_model="stub", vocab_size=None, request_timeout_s=30,
+                            shard=k, shards=3) for k in range(3)]
+    drivers = Drivers(configs, DriverPool(tmp_path), hang_s=30)
+    assert drivers.quiet() is None  # until every shard has beaten
+    # Bytes 10 s ago; the only open stream opened 1 s ago, after a pause between requests.
+    drivers.progress = {0: Progress(1, 90.0, 99.0, 100.0), 1: Progress(0, 90.0, None, 100.0),
+                        2: Progress(0, 90.0, None, 100.0)}
+    assert drivers.quiet() == (1, 1.0)
+    # A stream open 10 s on one shard is not hidden by one that opened since on another.
+    drivers.progress[1] = Progress(1, 90.0, 90.5, 100.0)
+    assert drivers.quiet() == (2, 9.5)
+    # Bytes since, on any shard, end the quiet; with nothing open, nothing waits.
+    drivers.progress[2] = Progress(0, 99.5, None, 100.0)
+    assert drivers.quiet() == (2, 0.5)
+    drivers.progress = {k: Progress(0, 90.0, None, 100.0) for k in range(3)}
+    assert drivers.quiet() == (0, 0.0)

@@ -13,10 +13,10 @@ service -> driver (stdin)
     driver.
 driver -> service (stdout)
     ``{"kind": "ready"}`` after its warmup requests, ``{"kind": "sample", "sample": {...}}``
-    as each measured request ends, ``{"kind": "beat"}`` every ``BEAT_S`` (a driver
-    whose loop is stuck stops beating), ``{"kind": "stopped", "rule": "duration"}`` when
-    its time box (``duration_s`` after ``t0``) ended the sending, ``{"kind": "done",
-    "duration": s, "sent": n}`` at the end.
+    as each measured request ends, ``{"kind": "beat", ...}`` every ``BEAT_S`` (a driver
+    whose loop is stuck stops beating; see ``_drive`` for what a beat says),
+    ``{"kind": "stopped", "rule": "duration"}`` when its time box (``duration_s`` after
+    ``t0``) ended the sending, ``{"kind": "done", "duration": s, "sent": n}`` at the end.
     A traceback goes to stderr, which the service keeps in a log file.
 
 Clock: every shard and the service use ``time.perf_counter``, which on Linux is
@@ -98,7 +98,10 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
     async def beat() -> None:
         # Each beat says how busy this process was since the last one (CPU seconds per
         # second, of one core) and how late the beat itself ran (the event loop's lag):
-        # a saturated driver sends late, and the run says so (``client_lag``).
+        # a saturated driver sends late, and the run says so (``client_lag``). It also
+        # says, for hang detection, how many streams are open, when any stream last got
+        # bytes, and when the oldest open stream started (None: none is open): a stream
+        # cannot have been silent for longer than it has been open.
         cpu_then, then = time.process_time(), time.perf_counter()
         emit({"kind": "beat"})
         while True:
@@ -107,7 +110,8 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
             now, cpu_now = time.perf_counter(), time.process_time()
             emit({"kind": "beat", "t": now, "cpu": round((cpu_now - cpu_then) / (now - then), 4),
                   "lag_ms": round(max(0.0, now - due) * 1000, 3),
-                  "open": generator.open, "last_data": generator.last_data})
+                  "open": generator.open, "last_data": generator.last_data,
+                  "oldest_open": generator.oldest_open})
             cpu_then, then = cpu_now, now
 
     beating = asyncio.create_task(beat())

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from service.control.procs import log_tail
 from service.core.sample import Sample
@@ -33,6 +33,17 @@ STOP_WAIT_S = 3.0
 
 class DriverError(Exception):
     """A driver process died, hung or could not start; the message says why."""
+
+
+class Progress(NamedTuple):
+    """What a shard's latest beat said of its streams: how many are open, when any stream
+    last got bytes, when the oldest open one started (None: none is open), and the
+    beat's time."""
+
+    open: int
+    last_data: float
+    oldest_open: float | None
+    t: float
 
 
 class DriverPool:
@@ -148,21 +159,26 @@ class Drivers:
         self.stopped_rule: str | None = None
         # Measured requests the shards sent (known once they are done).
         self.sent = 0
-        # Per shard, from its latest beat: streams open, when any of them last got bytes,
-        # and the beat's time (``time.perf_counter``, one clock for every process here).
-        self.progress: dict[int, tuple[int, float, float]] = {}
+        # Per shard, from its latest beat (``time.perf_counter``, one clock for every
+        # process here).
+        self.progress: dict[int, Progress] = {}
 
     def quiet(self) -> tuple[int, float] | None:
-        """Streams open over all shards, and for how long no stream of any shard is known
-        to have got bytes: from the last bytes any shard saw to the oldest of the shards'
-        latest beats (a shard may have had bytes since its beat, unknown yet). None
-        before every shard has beaten once."""
+        """Streams open over all shards, and for how long they have waited for bytes with
+        none coming: from the later of the last bytes any shard saw and the start of the
+        oldest stream open (a stream opened after a pause between requests has waited only
+        since it opened) to the oldest of the shards' latest beats (a shard may have had
+        bytes since its beat, unknown yet). None before every shard has beaten once."""
         if len(self.progress) < len(self.configs):
             return None
-        open_now = sum(n for n, _, _ in self.progress.values())
-        last_bytes = max(t for _, t, _ in self.progress.values())
-        known_until = min(beat for _, _, beat in self.progress.values())
-        return open_now, max(0.0, known_until - last_bytes)
+        shards = self.progress.values()
+        open_now = sum(p.open for p in shards)
+        starts = [p.oldest_open for p in shards if p.open and p.oldest_open is not None]
+        if not starts:
+            return open_now, 0.0
+        since = max(max(p.last_data for p in shards), min(starts))
+        known_until = min(p.t for p in shards)
+        return open_now, max(0.0, known_until - since)
 
     @classmethod
     def for_run(cls, run_id: str, spec: RunSpec, base_url: str, served_model: str,
@@ -224,8 +240,10 @@ class Drivers:
             elif kind == "beat" and "cpu" in message:
                 self.beats.append({"t": float(message["t"]), "cpu": float(message["cpu"]),
                                    "lag_ms": float(message["lag_ms"]), "shard": shard})
-                self.progress[shard] = (int(message["open"]), float(message["last_data"]),
-                                        float(message["t"]))
+                oldest = message.get("oldest_open")
+                self.progress[shard] = Progress(
+                    int(message["open"]), float(message["last_data"]),
+                    None if oldest is None else float(oldest), float(message["t"]))
 
         try:
             for config in self.configs:
