@@ -97,6 +97,40 @@ def test_shards_in_separate_processes_follow_one_schedule_on_one_clock(stub: str
     assert duration >= max(s.start_time + s.latency for s in samples) - dues[0] - 1e-3
 
 
+def test_a_service_slow_to_read_delays_samples_not_their_timing(stub: str, tmp_path: Path) -> None:
+    # The service's event loop stalls 4 s at the first sample while 8 streams of 200 tokens
+    # go on (a token every 5 ms): about 40 KB of samples a second, so the 64 KiB pipe
+    # fills long before the stall ends. The driver keeps timing its streams meanwhile.
+    spec = RunSpec(input_len=8, output_len=200, num_prompts=48, max_concurrency=8, seed=3)
+    samples: list[Sample] = []
+    stalled: list[float] = []
+
+    def on_sample(sample: Sample) -> None:
+        if not stalled:
+            stalled.append(time.perf_counter())
+            time.sleep(4)  # blocks the event loop: nothing reads the driver's pipe
+            stalled.append(time.perf_counter())
+        samples.append(sample)
+
+    async def drive() -> None:
+        pool = DriverPool(tmp_path)
+        pool.start()
+        try:
+            await Drivers.for_run("r-slow-reader", spec, stub, "stub", 1000, 30, pool,
+                                  hang_s=30).run(on_sample)
+        finally:
+            await pool.close()
+
+    asyncio.run(drive())
+    assert sorted(s.index for s in samples) == list(range(48))  # every request, once
+    assert all(s.success for s in samples)
+    during = [s for s in samples if stalled[0] < s.start_time + s.latency and s.start_time < stalled[1]]
+    assert len(during) >= 16, len(during)
+    # Timed as the stub sent them: no gap near the stall's seconds.
+    assert max(g for s in during for g in s.itl) < 0.5
+    assert max(s.ttft for s in during) < 0.5
+
+
 def test_quiet_is_how_long_open_streams_waited_for_bytes(tmp_path: Path) -> None:
     shape = LoadShape.of(RunSpec(input_len=8, output_len=4, num_prompts=6))
     configs = [DriverConfig(run_id="r-quiet", spec=shape, base_url="http://127.0.0.1:1",

@@ -19,6 +19,10 @@ driver -> service (stdout)
     ``t0``) ended the sending, ``{"kind": "done", "duration": s, "sent": n}`` at the end.
     A traceback goes to stderr, which the service keeps in a log file.
 
+Lines are written by a thread of their own from an unbounded queue: a service slow to
+read (its event loop busy, the 64 KiB pipe full) delays the lines, never the timing of
+the streams.
+
 Clock: every shard and the service use ``time.perf_counter``, which on Linux is
 ``CLOCK_MONOTONIC``, one clock for all processes of the machine; so the samples of all
 shards of a run, and ``t0``, are on the same time line.
@@ -33,13 +37,14 @@ import asyncio
 import json
 import math
 import os
+import queue
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from pydantic import BaseModel
 
@@ -50,6 +55,9 @@ if TYPE_CHECKING:
 
 STREAMS_PER_SHARD = 256
 BEAT_S = 1.0
+# How long a driver told to stop (SIGTERM) spends writing its queued lines before it
+# exits; the service reads them for ``service.load.shards.STOP_WAIT_S``.
+STOPPED_FLUSH_S = 2.0
 
 
 class DriverConfig(BaseModel):
@@ -153,23 +161,56 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
         await generator.aclose()
 
 
+class LineWriter:
+    """Writes the driver's lines to ``out`` from a thread of its own, in order; ``emit``
+    only queues them, so it never blocks the event loop that times the streams."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="driver-lines", daemon=True)
+        self._thread.start()
+
+    def emit(self, message: dict[str, Any]) -> None:
+        """Queue one message as a line (any thread)."""
+        self._lines.put(json.dumps(message) + "\n")
+
+    def _write(self) -> None:
+        while (line := self._lines.get()) is not None:
+            try:
+                self.out.write(line)
+                if self._lines.empty():
+                    self.out.flush()
+            except OSError:
+                # The service closed the pipe or died: nobody reads what we measure.
+                os._exit(3)
+        self.out.flush()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write every line queued so far, then stop (wait at most ``timeout`` seconds)."""
+        self._lines.put(None)
+        self._thread.join(timeout)
+
+
 def main() -> None:
     """Entry point of ``python -m service.load.driver``."""
     # A process group of its own, so a terminal's Ctrl-C reaches the service only (which
     # then stops its drivers itself); not a session of its own (see ``service.control.procs``).
     os.setpgrp()
     # The protocol owns the real stdout; anything else printed goes to stderr.
-    out = os.fdopen(os.dup(1), "w", buffering=1)
+    out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     line = sys.stdin.readline()
     if not line:
         return  # a spare the service no longer needs (or a service that is gone)
     config = DriverConfig.model_validate_json(line)
-    lock = threading.Lock()
+    writer = LineWriter(out)
 
-    def emit(message: dict[str, Any]) -> None:
-        with lock:
-            out.write(json.dumps(message) + "\n")
+    def terminated() -> None:
+        # Stopped by the service, which reads what is left for a while: hand it the lines
+        # measured so far, then go.
+        writer.close(STOPPED_FLUSH_S)
+        os._exit(0)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
@@ -193,11 +234,13 @@ def main() -> None:
             os._exit(3)
 
         threading.Thread(target=read_stdin, daemon=True).start()
-        loop.add_signal_handler(signal.SIGTERM, lambda: os._exit(0))
-        await _drive(config, emit, start_line, stop_line)
+        loop.add_signal_handler(signal.SIGTERM, terminated)
+        await _drive(config, writer.emit, start_line, stop_line)
 
-    asyncio.run(run())
-    out.flush()
+    try:
+        asyncio.run(run())
+    finally:
+        writer.close()
 
 
 if __name__ == "__main__":
