@@ -16,8 +16,9 @@ import pytest
 
 from service.core.sample import Sample
 from service.core.spec import RunSpec
-from service.load.driver import DriverConfig, DriverPool, Drivers, shard_concurrency, shard_count
+from service.load.driver import DriverConfig, shard_concurrency, shard_count
 from service.load.generator import LoadShape, make_plan
+from service.load.shards import DriverPool, Drivers, Progress
 from tests.service_process import _free_port
 
 TESTS = Path(__file__).resolve().parent
@@ -94,3 +95,58 @@ def test_shards_in_separate_processes_follow_one_schedule_on_one_clock(stub: str
     assert np.allclose(dues - dues[0], plan.offsets - plan.offsets[0], atol=1e-6)
     assert min(s.start_time for s in samples) >= dues[0] - 1e-3
     assert duration >= max(s.start_time + s.latency for s in samples) - dues[0] - 1e-3
+
+
+def test_a_service_slow_to_read_delays_samples_not_their_timing(stub: str, tmp_path: Path) -> None:
+    # The service's event loop stalls 4 s at the first sample while 8 streams of 200 tokens
+    # go on (a token every 5 ms): about 40 KB of samples a second, so the 64 KiB pipe
+    # fills long before the stall ends. The driver keeps timing its streams meanwhile.
+    spec = RunSpec(input_len=8, output_len=200, num_prompts=48, max_concurrency=8, seed=3)
+    samples: list[Sample] = []
+    stalled: list[float] = []
+
+    def on_sample(sample: Sample) -> None:
+        if not stalled:
+            stalled.append(time.perf_counter())
+            time.sleep(4)  # blocks the event loop: nothing reads the driver's pipe
+            stalled.append(time.perf_counter())
+        samples.append(sample)
+
+    async def drive() -> None:
+        pool = DriverPool(tmp_path)
+        pool.start()
+        try:
+            await Drivers.for_run("r-slow-reader", spec, stub, "stub", 1000, 30, pool,
+                                  hang_s=30).run(on_sample)
+        finally:
+            await pool.close()
+
+    asyncio.run(drive())
+    assert sorted(s.index for s in samples) == list(range(48))  # every request, once
+    assert all(s.success for s in samples)
+    during = [s for s in samples if stalled[0] < s.start_time + s.latency and s.start_time < stalled[1]]
+    assert len(during) >= 16, len(during)
+    # Timed as the stub sent them: no gap near the stall's seconds.
+    assert max(g for s in during for g in s.itl) < 0.5
+    assert max(s.ttft for s in during) < 0.5
+
+
+def test_quiet_is_how_long_open_streams_waited_for_bytes(tmp_path: Path) -> None:
+    shape = LoadShape.of(RunSpec(input_len=8, output_len=4, num_prompts=6))
+    configs = [DriverConfig(run_id="r-quiet", spec=shape, base_url="http://127.0.0.1:1",
+                            served_model="stub", vocab_size=None, request_timeout_s=30,
+                            shard=k, shards=3) for k in range(3)]
+    drivers = Drivers(configs, DriverPool(tmp_path), hang_s=30)
+    assert drivers.quiet() is None  # until every shard has beaten
+    # Bytes 10 s ago; the only open stream opened 1 s ago, after a pause between requests.
+    drivers.progress = {0: Progress(1, 90.0, 99.0, 100.0), 1: Progress(0, 90.0, None, 100.0),
+                        2: Progress(0, 90.0, None, 100.0)}
+    assert drivers.quiet() == (1, 1.0)
+    # A stream open 10 s on one shard is not hidden by one that opened since on another.
+    drivers.progress[1] = Progress(1, 90.0, 90.5, 100.0)
+    assert drivers.quiet() == (2, 9.5)
+    # Bytes since, on any shard, end the quiet; with nothing open, nothing waits.
+    drivers.progress[2] = Progress(0, 99.5, None, 100.0)
+    assert drivers.quiet() == (2, 0.5)
+    drivers.progress = {k: Progress(0, 90.0, None, 100.0) for k in range(3)}
+    assert drivers.quiet() == (0, 0.0)

@@ -123,6 +123,21 @@ def test_a_long_silent_prefill_is_not_a_hang(faulty: Any) -> None:
     assert fill["status"] == "failed" and "vLLM server hung" in fill["error"], fill["error"]
 
 
+def test_pauses_between_requests_of_a_slow_open_loop_are_not_a_hang(faulty: Any) -> None:
+    # 0.4 requests/s, nearly evenly spaced: the first request goes 2.5 s after the driver
+    # got its config, the second 2.5 s later, each after seconds with no stream open, longer
+    # than the stall limit. Each is silent 1.2 s before its first token (under the limit).
+    # Only the silence of open streams, from when they opened, counts.
+    client = faulty({"STUB_FIRST_TOKEN_S": "1.2"}, stall_s=2)
+    spec = {**SMALL, "num_prompts": 2, "max_concurrency": None, "request_rate": 0.4,
+            "burstiness": 50}
+    done = wait_finished(client, client.post("/api/runs", json=spec).json()["id"], timeout=60)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["progress"]["completed"] == 2
+    worker = client.get(f"/api/workers/{done['worker_id']}").json()
+    assert worker["status"] != "failed", worker
+
+
 def test_cancel_while_the_worker_starts_leaves_no_process(faulty: Any) -> None:
     # The worker answers /health only after 3 s: the cancel lands while it starts.
     client = faulty({"STUB_STARTUP_DELAY_S": "3"})

@@ -155,15 +155,41 @@ def test_a_counter_that_went_back_says_nothing() -> None:
 
 
 def test_client_lag_from_due_times_and_driver_beats() -> None:
-    late = [_sample(k, k + 0.004, 1.0, due=float(k)) for k in range(9)]
+    late = [_sample(k, k + 0.004, 0.5, due=float(k)) for k in range(9)]
     warnings = client_warnings(late, [], open_loop=True)
     assert _codes(warnings) == ["client_lag"] and warnings[0]["figure"] == pytest.approx(4.0)
-    on_time = [_sample(k, k + 0.0002, 1.0, due=float(k)) for k in range(9)]
+    on_time = [_sample(k, k + 0.0002, 0.5, due=float(k)) for k in range(9)]
     assert client_warnings(on_time, [], open_loop=True) == []
     busy = [{"t": k, "cpu": 0.99, "lag_ms": 0.1, "shard": 0} for k in range(5)]
     assert _codes(client_warnings(on_time, busy, open_loop=True)) == ["client_lag"]
     calm = [{"t": k, "cpu": 0.3, "lag_ms": 0.1, "shard": 0} for k in range(5)]
     assert client_warnings(on_time, calm, open_loop=True) == []
+
+
+def test_waiting_for_a_concurrency_slot_is_not_client_lag() -> None:
+    # Two slots, a request due every 0.1 s, each taking 1 s: from the third on every
+    # request waits for a slot (seconds, by the end), and leaves 0.2 ms after one frees.
+    waited: list[Sample] = []
+    for k in range(20):
+        due = 0.1 * k
+        free = due if k < 2 else waited[k - 2].start_time + 1.0
+        waited.append(_sample(k, free + 0.0002, 1.0, due=due))
+    assert np.median([s.start_time - s.due_time for s in waited]) > 3
+    assert client_warnings(waited, [], open_loop=True) == []
+    # Requests that had a free slot (1 s apart, 0.3 s each) but left 4 ms late: the client.
+    late = [_sample(k, k + 0.004, 0.3, due=float(k)) for k in range(20)]
+    warnings = client_warnings(late, [], open_loop=True)
+    assert _codes(warnings) == ["client_lag"] and warnings[0]["figure"] == pytest.approx(4.0)
+    # Both in one run: a cap of two, bursts that fill it, and the client 4 ms late in the
+    # calm between them.
+    mixed: list[Sample] = []
+    for k in range(40):
+        burst, i = divmod(k, 4)
+        due = 10.0 * burst + 0.01 * i
+        free = due if i < 2 else mixed[k - 2].start_time + 1.0
+        mixed.append(_sample(k, max(free, due + 0.004), 1.0, due=due))
+    warnings = client_warnings(mixed, [], open_loop=True)
+    assert _codes(warnings) == ["client_lag"] and warnings[0]["figure"] == pytest.approx(4.0)
 
 
 # ------------------------------------------------------------------ runs against the stub
@@ -241,6 +267,20 @@ def test_a_queue_in_the_server_is_found_without_scrapes_during_the_run(
         # 2 run, 2 wait a whole request (40 tokens x 10 ms): about a third of a latency.
         assert "in the server's queue before it first scheduled them" in queued[0]["message"]
         assert 0.15 <= queued[0]["figure"] <= 0.6
+
+
+def test_an_open_loop_that_waits_for_its_slot_has_no_client_lag(tmp_path: Path) -> None:
+    # 20 requests/s arrive and one slot holds a request about 0.2 s: later requests wait
+    # for the slot (the server is the limit), and each leaves as soon as it has it.
+    with _service(tmp_path) as client:
+        spec = {"input_len": 8, "output_len": 100, "num_prompts": 8, "max_concurrency": 1,
+                "request_rate": 20.0}
+        run = client.post("/api/runs", json=spec).json()
+        done = wait_finished(client, run["id"])
+        assert done["status"] == "succeeded", done["error"]
+        samples = client.get(f"/api/runs/{run['id']}/requests").json()
+        assert max(s["start_time"] - s["due_time"] for s in samples) > 0.5
+        assert "client_lag" not in _codes(done["warnings"]), done["warnings"]
 
 
 def test_a_sweep_point_that_cannot_fit_is_failed_before_it_runs(

@@ -27,8 +27,10 @@ Warnings are ``{"code", "message", "figure"}``:
   blocks out, so with no preemption the run expects none);
 - ``fill_mismatch``: the two connector sides disagree on how many requests were
   filled, or the connector accounted for fewer requests than the run sent;
-- ``client_lag``: open loop requests left more than 1 ms after they were due (median),
-  or a load driver was busy at least 95% of a core (median beat);
+- ``client_lag``: open loop requests left more than 1 ms after they were due (median
+  over the requests that did not wait for a concurrency slot, at least
+  ``MIN_FREE_SENDS`` of them: that wait is the server's time, see ``slot_waits``), or a
+  load driver was busy at least 95% of a core (median beat);
 - ``dummy_moe_routing``: a mixture-of-experts model ran on dummy weights, so its router
   spread the tokens over the experts unlike the real model.
 """
@@ -48,6 +50,9 @@ Point = tuple[float, Mapping[str, float]]
 
 KV_NEAR_FULL = 0.95
 LAG_S = 1e-3
+# The fewest requests that had a free slot for a verdict on their lateness: the median of
+# fewer is one timer's jitter (the driver's event loop wakes on a 1 ms clock).
+MIN_FREE_SENDS = 5
 DRIVER_BUSY = 0.95
 WAITING_SHARE = 0.5
 MIN_SCRAPES = 3
@@ -241,17 +246,41 @@ def _queued_by_counters(points: Sequence[Point], samples: Sequence[Sample]) -> W
         round(share, 4))
 
 
+def slot_waits(samples: Sequence[Sample]) -> np.ndarray:
+    """Which requests (with a due time, in order) may have waited for a concurrency slot:
+    those that, at their due time or before they left, saw the client with as many
+    requests in flight as it ever had at once (its ``max_concurrency``, when the run
+    reached it). Such a request left when another ended, a time the server set; the
+    samples cannot tell that from the client's own lateness, so it is no evidence
+    either way. A run that never reached its cap has few such moments: its peak."""
+    timed = [s for s in samples if s.due_time is not None]
+    starts = np.array([s.start_time for s in samples])
+    at_start = in_flight(samples, starts)
+    busiest = int(at_start.max(initial=0))
+    peaks = np.sort(starts[at_start >= busiest])
+    dues = np.array([s.due_time for s in timed])
+    left = np.array([s.start_time for s in timed])
+    full_when_due = in_flight(samples, dues) >= busiest
+    full_before_left = (np.searchsorted(peaks, left, side="left")
+                        > np.searchsorted(peaks, dues, side="right"))
+    return np.asarray(full_when_due | full_before_left, dtype=bool)
+
+
 def client_warnings(samples: Sequence[Sample], beats: Sequence[Mapping[str, float]],
                     open_loop: bool) -> list[Warning_]:
     """``client_lag`` from the samples' due and send times and the drivers' beats."""
     warnings: list[Warning_] = []
     if open_loop:
-        lags = [s.start_time - s.due_time for s in samples if s.due_time is not None]
-        if lags and (lag := float(np.median(lags))) > LAG_S:
+        timed = [s for s in samples if s.due_time is not None]
+        waited = slot_waits(samples)
+        lags = [s.start_time - s.due_time for s, w in zip(timed, waited, strict=True)
+                if s.due_time is not None and not w]
+        if len(lags) >= MIN_FREE_SENDS and (lag := float(np.median(lags))) > LAG_S:
             warnings.append(_warn(
                 "client_lag",
-                f"requests left a median {lag * 1000:.1f} ms after they were due: the load "
-                "driver could not keep the arrival schedule", round(lag * 1000, 3)))
+                f"requests left a median {lag * 1000:.1f} ms after they were due (not counting "
+                "any that waited for a concurrency slot): the load driver could not keep the "
+                "arrival schedule", round(lag * 1000, 3)))
     by_shard: dict[int, list[float]] = {}
     for beat in beats:
         by_shard.setdefault(int(beat.get("shard", 0)), []).append(float(beat["cpu"]))

@@ -34,7 +34,7 @@ from service.control.placement import Decision, WorkerRow
 from service.control.registered import RegisteredServers
 from service.core.sample import Sample
 from service.core.spec import RunSpec
-from service.load.driver import DriverPool, Drivers
+from service.load.shards import DriverPool, Drivers
 from service.settings import Settings
 
 log = logging.getLogger(__name__)

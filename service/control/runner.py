@@ -45,7 +45,7 @@ from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import RunStatus
-from service.load.driver import DriverError
+from service.load.shards import DriverError
 from service.settings import Settings
 from service.storage import store
 

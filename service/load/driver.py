@@ -1,5 +1,6 @@
-"""The load driver: the data plane. One run's requests are sent and timed in processes
-that do nothing else: no SQLite, no pages, no connector traffic, no scheduler.
+"""The load driver process: the data plane. One run's requests are sent and timed in
+processes that do nothing else: no SQLite, no pages, no connector traffic, no scheduler.
+The service's side of them (starting, feeding, reading, stopping) is ``service.load.shards``.
 
 The service starts ``python -m service.load.driver`` children for a run (one shard per
 ``STREAMS_PER_SHARD`` streams, at most one per core) and talks to each over its pipes,
@@ -12,11 +13,15 @@ service -> driver (stdin)
     driver.
 driver -> service (stdout)
     ``{"kind": "ready"}`` after its warmup requests, ``{"kind": "sample", "sample": {...}}``
-    as each measured request ends, ``{"kind": "beat"}`` every ``BEAT_S`` (a driver
-    whose loop is stuck stops beating), ``{"kind": "stopped", "rule": "duration"}`` when
-    its time box (``duration_s`` after ``t0``) ended the sending, ``{"kind": "done",
-    "duration": s, "sent": n}`` at the end.
+    as each measured request ends, ``{"kind": "beat", ...}`` every ``BEAT_S`` (a driver
+    whose loop is stuck stops beating; see ``_drive`` for what a beat says),
+    ``{"kind": "stopped", "rule": "duration"}`` when its time box (``duration_s`` after
+    ``t0``) ended the sending, ``{"kind": "done", "duration": s, "sent": n}`` at the end.
     A traceback goes to stderr, which the service keeps in a log file.
+
+Lines are written by a thread of their own from an unbounded queue: a service slow to
+read (its event loop busy, the 64 KiB pipe full) delays the lines, never the timing of
+the streams.
 
 Clock: every shard and the service use ``time.perf_counter``, which on Linux is
 ``CLOCK_MONOTONIC``, one clock for all processes of the machine; so the samples of all
@@ -29,23 +34,20 @@ as it goes; each keeps its share of the one seeded schedule.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
+import queue
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from pydantic import BaseModel
 
-from service.control.procs import log_tail
-from service.core.sample import Sample
 from service.load.generator import LoadGenerator, LoadShape, make_plan
 
 if TYPE_CHECKING:
@@ -53,10 +55,9 @@ if TYPE_CHECKING:
 
 STREAMS_PER_SHARD = 256
 BEAT_S = 1.0
-# Lines carry a sample's gaps and text: well over asyncio's 64 KiB default.
-LINE_LIMIT = 64 << 20
-# How long a stopped shard gets to go before SIGKILL.
-STOP_WAIT_S = 3.0
+# How long a driver told to stop (SIGTERM) spends writing its queued lines before it
+# exits; the service reads them for ``service.load.shards.STOP_WAIT_S``.
+STOPPED_FLUSH_S = 2.0
 
 
 class DriverConfig(BaseModel):
@@ -72,10 +73,6 @@ class DriverConfig(BaseModel):
     shards: int = 1
     # A time box: no request is sent later than this after the schedule's start.
     duration_s: float | None = None
-
-
-class DriverError(Exception):
-    """A driver process died, hung or could not start; the message says why."""
 
 
 def shard_count(spec: RunSpec | LoadShape, cpus: int | None = None) -> int:
@@ -96,9 +93,6 @@ def shard_concurrency(limit: int | None, shard: int, shards: int) -> int | None:
     return max(1, limit // shards + (1 if shard < limit % shards else 0))
 
 
-# ---------------------------------------------------------------- the driver process
-
-
 async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
                  start_line: asyncio.Future[float], stop_line: asyncio.Event | None = None) -> None:
     spec = config.spec
@@ -112,7 +106,10 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
     async def beat() -> None:
         # Each beat says how busy this process was since the last one (CPU seconds per
         # second, of one core) and how late the beat itself ran (the event loop's lag):
-        # a saturated driver sends late, and the run says so (``client_lag``).
+        # a saturated driver sends late, and the run says so (``client_lag``). It also
+        # says, for hang detection, how many streams are open, when any stream last got
+        # bytes, and when the oldest open stream started (None: none is open): a stream
+        # cannot have been silent for longer than it has been open.
         cpu_then, then = time.process_time(), time.perf_counter()
         emit({"kind": "beat"})
         while True:
@@ -121,7 +118,8 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
             now, cpu_now = time.perf_counter(), time.process_time()
             emit({"kind": "beat", "t": now, "cpu": round((cpu_now - cpu_then) / (now - then), 4),
                   "lag_ms": round(max(0.0, now - due) * 1000, 3),
-                  "open": generator.open, "last_data": generator.last_data})
+                  "open": generator.open, "last_data": generator.last_data,
+                  "oldest_open": generator.oldest_open})
             cpu_then, then = cpu_now, now
 
     beating = asyncio.create_task(beat())
@@ -163,23 +161,56 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
         await generator.aclose()
 
 
+class LineWriter:
+    """Writes the driver's lines to ``out`` from a thread of its own, in order; ``emit``
+    only queues them, so it never blocks the event loop that times the streams."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="driver-lines", daemon=True)
+        self._thread.start()
+
+    def emit(self, message: dict[str, Any]) -> None:
+        """Queue one message as a line (any thread)."""
+        self._lines.put(json.dumps(message) + "\n")
+
+    def _write(self) -> None:
+        while (line := self._lines.get()) is not None:
+            try:
+                self.out.write(line)
+                if self._lines.empty():
+                    self.out.flush()
+            except OSError:
+                # The service closed the pipe or died: nobody reads what we measure.
+                os._exit(3)
+        self.out.flush()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write every line queued so far, then stop (wait at most ``timeout`` seconds)."""
+        self._lines.put(None)
+        self._thread.join(timeout)
+
+
 def main() -> None:
     """Entry point of ``python -m service.load.driver``."""
     # A process group of its own, so a terminal's Ctrl-C reaches the service only (which
     # then stops its drivers itself); not a session of its own (see ``service.control.procs``).
     os.setpgrp()
     # The protocol owns the real stdout; anything else printed goes to stderr.
-    out = os.fdopen(os.dup(1), "w", buffering=1)
+    out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     line = sys.stdin.readline()
     if not line:
         return  # a spare the service no longer needs (or a service that is gone)
     config = DriverConfig.model_validate_json(line)
-    lock = threading.Lock()
+    writer = LineWriter(out)
 
-    def emit(message: dict[str, Any]) -> None:
-        with lock:
-            out.write(json.dumps(message) + "\n")
+    def terminated() -> None:
+        # Stopped by the service, which reads what is left for a while: hand it the lines
+        # measured so far, then go.
+        writer.close(STOPPED_FLUSH_S)
+        os._exit(0)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
@@ -203,274 +234,13 @@ def main() -> None:
             os._exit(3)
 
         threading.Thread(target=read_stdin, daemon=True).start()
-        loop.add_signal_handler(signal.SIGTERM, lambda: os._exit(0))
-        await _drive(config, emit, start_line, stop_line)
+        loop.add_signal_handler(signal.SIGTERM, terminated)
+        await _drive(config, writer.emit, start_line, stop_line)
 
-    asyncio.run(run())
-    out.flush()
-
-
-# ---------------------------------------------------------------- the service's side
-
-
-class DriverPool:
-    """Driver processes started ahead of need. Starting Python and importing the load
-    generator takes about a second on a small machine; a run takes a process that has
-    done so already (waiting for its config on stdin), and a new spare is started
-    behind it, so short runs do not pay that second each."""
-
-    def __init__(self, log_dir: Path, spares: int = 1) -> None:
-        self.log_dir = log_dir
-        self.spares = spares
-        self._ready: list[tuple[asyncio.subprocess.Process, Path]] = []
-        self._filling: set[asyncio.Task[None]] = set()
-        self._count = 0
-        self._closed = False
-
-    def start(self) -> None:
-        """Start the spares (inside the event loop)."""
-        self._refill()
-
-    async def _spawn(self) -> tuple[asyncio.subprocess.Process, Path]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._count += 1
-        log_path = self.log_dir / f"driver-spare-{os.getpid()}-{self._count}.log"
-        with log_path.open("wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "service.load.driver",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
-                limit=LINE_LIMIT,
-                # Its own process group (the driver makes it first thing: uvloop has no
-                # process_group), in the service's session: see ``service.control.procs``.
-            )
-        return proc, log_path
-
-    def refill(self) -> None:
-        """Start spares up to the pool's size (after a run, when the machine is quiet)."""
-        self._refill()
-
-    def _refill(self) -> None:
-        if self._closed:
-            return
-        while len(self._ready) + len(self._filling) < self.spares:
-            async def fill() -> None:
-                spare = await self._spawn()
-                if self._closed:
-                    await _stop_processes([spare[0]])
-                else:
-                    self._ready.append(spare)
-            task = asyncio.create_task(fill())
-            self._filling.add(task)
-            task.add_done_callback(self._filling.discard)
-
-    async def take(self, name: str) -> tuple[asyncio.subprocess.Process, Path]:
-        """A driver process for one shard, its stderr log renamed to ``name``."""
-        while self._ready:
-            proc, log_path = self._ready.pop(0)
-            if proc.returncode is None:
-                break
-        else:
-            proc, log_path = await self._spawn()
-        # No new spare now: starting Python takes a core for a moment, and a run's first
-        # requests (and its connector's pull of the fill values) come next. ``refill``
-        # after the run.
-        target = self.log_dir / name
-        log_path.rename(target)
-        return proc, target
-
-    async def close(self) -> None:
-        """Stop the spares; no new ones are started."""
-        self._closed = True
-        for task in list(self._filling):
-            task.cancel()
-        await asyncio.gather(*self._filling, return_exceptions=True)
-        await _stop_processes([p for p, _ in self._ready])
-        for _, log_path in self._ready:
-            log_path.unlink(missing_ok=True)
-        self._ready.clear()
-
-
-def _terminate(procs: list[asyncio.subprocess.Process]) -> None:
-    for proc in procs:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-
-
-async def _stop_processes(procs: list[asyncio.subprocess.Process]) -> None:
-    """SIGTERM, then SIGKILL after ``STOP_WAIT_S``; reaped either way."""
-    _terminate(procs)
-    for proc in procs:
-        try:
-            await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-
-
-class Drivers:
-    """The driver processes of one run, as the service sees them."""
-
-    def __init__(self, configs: list[DriverConfig], pool: DriverPool, hang_s: float) -> None:
-        self.configs = configs
-        self.pool = pool
-        # A shard silent for this long (no beat, no sample) has hung.
-        self.hang_s = hang_s
-        self.log_paths: list[Path] = []
-        self.procs: list[asyncio.subprocess.Process] = []
-        # Every beat of every shard: ``{"t", "cpu", "lag_ms", "shard"}``.
-        self.beats: list[dict[str, float]] = []
-        # Which stop rule ended the sending, as the shards reported it ("duration"), or as
-        # the service told them (``stop_sending``); None: every request was sent.
-        self.stopped_rule: str | None = None
-        # Measured requests the shards sent (known once they are done).
-        self.sent = 0
-        # Per shard, from its latest beat: streams open, when any of them last got bytes,
-        # and the beat's time (``time.perf_counter``, one clock for every process here).
-        self.progress: dict[int, tuple[int, float, float]] = {}
-
-    def quiet(self) -> tuple[int, float] | None:
-        """Streams open over all shards, and for how long no stream of any shard is known
-        to have got bytes: from the last bytes any shard saw to the oldest of the shards'
-        latest beats (a shard may have had bytes since its beat, unknown yet). None
-        before every shard has beaten once."""
-        if len(self.progress) < len(self.configs):
-            return None
-        open_now = sum(n for n, _, _ in self.progress.values())
-        last_bytes = max(t for _, t, _ in self.progress.values())
-        known_until = min(beat for _, _, beat in self.progress.values())
-        return open_now, max(0.0, known_until - last_bytes)
-
-    @classmethod
-    def for_run(cls, run_id: str, spec: RunSpec, base_url: str, served_model: str,
-                vocab_size: int | None, request_timeout_s: float, pool: DriverPool,
-                hang_s: float) -> Drivers:
-        """The shards of one run (``shard_count`` of them)."""
-        # With a stop rule the plan holds the most requests the run may send; a shard
-        # stops early when told to, or at its time box.
-        shape = LoadShape.of(spec).model_copy(update={"num_prompts": spec.prompt_budget()})
-        duration_s = spec.stop.duration_s if spec.stop is not None else None
-        n = shard_count(shape)
-        return cls([
-            DriverConfig(run_id=run_id, spec=shape, base_url=base_url,
-                         served_model=served_model, vocab_size=vocab_size,
-                         request_timeout_s=request_timeout_s, shard=k, shards=n,
-                         duration_s=duration_s)
-            for k in range(n)
-        ], pool, hang_s)
-
-    async def stop_sending(self, rule: str) -> None:
-        """Tell every shard to send no more requests (those sent finish and count)."""
-        if self.stopped_rule is None:
-            self.stopped_rule = rule
-        for proc in self.procs:
-            if proc.stdin is not None and not proc.stdin.is_closing():
-                with contextlib.suppress(OSError, ConnectionError):
-                    proc.stdin.write(json.dumps({"stop": rule}).encode() + b"\n")
-                    await proc.stdin.drain()
-
-    def stderr_tail(self) -> str:
-        """The last lines each shard wrote to stderr."""
-        parts = [f"[{path.name}]\n{text}" for path in self.log_paths if (text := log_tail(path).strip())]
-        return "\n".join(parts) or "(nothing on stderr)"
-
-    async def run(self, on_sample: Callable[[Sample], None]) -> float:
-        """Start the shards, start their schedule together once all are ready, hand every
-        sample to ``on_sample`` as it arrives; return the run's duration (s). Raises
-        ``DriverError`` if a shard dies or hangs. Cancelling stops the shards; samples
-        they sent before that are handed on first."""
-        ready: set[int] = set()
-        all_ready = asyncio.Event()
-        durations: list[float] = []
-
-        def handle(shard: int, message: dict[str, Any]) -> None:
-            kind = message.get("kind")
-            if kind == "sample":
-                on_sample(Sample(**message["sample"]))
-            elif kind == "ready":
-                ready.add(shard)
-                if len(ready) == len(self.configs):
-                    all_ready.set()
-            elif kind == "done":
-                durations.append(float(message["duration"]))
-                self.sent += int(message.get("sent", 0))
-            elif kind == "stopped":
-                # Every shard has the same time box from the same t0: each stops itself.
-                if self.stopped_rule is None:
-                    self.stopped_rule = str(message["rule"])
-            elif kind == "beat" and "cpu" in message:
-                self.beats.append({"t": float(message["t"]), "cpu": float(message["cpu"]),
-                                   "lag_ms": float(message["lag_ms"]), "shard": shard})
-                self.progress[shard] = (int(message["open"]), float(message["last_data"]),
-                                        float(message["t"]))
-
-        try:
-            for config in self.configs:
-                proc, log_path = await self.pool.take(f"{config.run_id}.driver{config.shard}.log")
-                self.procs.append(proc)
-                self.log_paths.append(log_path)
-                assert proc.stdin is not None
-                proc.stdin.write(config.model_dump_json().encode() + b"\n")
-                await proc.stdin.drain()
-
-            async def go() -> None:
-                await all_ready.wait()
-                # A moment ahead, so every shard starts the schedule at the same instant.
-                t0 = time.perf_counter() + 0.05
-                for proc in self.procs:
-                    assert proc.stdin is not None
-                    proc.stdin.write(json.dumps({"start": t0}).encode() + b"\n")
-                    await proc.stdin.drain()
-
-            starter = asyncio.create_task(go())
-            readers = [asyncio.create_task(self._read(k, handle)) for k in range(len(self.procs))]
-            try:
-                await asyncio.gather(*readers)
-            finally:
-                starter.cancel()
-                for reader in readers:
-                    reader.cancel()
-                await asyncio.gather(starter, *readers, return_exceptions=True)
-            if len(durations) != len(self.procs):
-                raise DriverError(f"a load driver ended without finishing its requests; its stderr:\n"
-                                  f"{self.stderr_tail()}")
-            return max(durations)
-        finally:
-            await self.stop(handle)
-
-    async def _read(self, shard: int, handle: Callable[[int, dict[str, Any]], None]) -> None:
-        proc = self.procs[shard]
-        assert proc.stdout is not None
-        while True:
-            try:
-                line = await asyncio.wait_for(proc.stdout.readline(), self.hang_s)
-            except TimeoutError:
-                raise DriverError(
-                    f"load driver {shard} sent nothing for {self.hang_s:g} s (hung); its stderr:\n"
-                    f"{self.stderr_tail()}"
-                ) from None
-            if not line:
-                break
-            handle(shard, json.loads(line))
-        code = await proc.wait()
-        if code != 0:
-            raise DriverError(f"load driver {shard} exited with code {code}; its stderr:\n"
-                              f"{self.stderr_tail()}")
-
-    async def stop(self, handle: Callable[[int, dict[str, Any]], None] | None = None) -> None:
-        """Stop every shard still running (SIGTERM, then SIGKILL) and wait for it; with
-        ``handle``, what they wrote before they stopped is read and handed to it first."""
-        _terminate(self.procs)
-        if handle is not None:
-            for shard, proc in enumerate(self.procs):
-                with contextlib.suppress(TimeoutError, ValueError, OSError):
-                    async with asyncio.timeout(STOP_WAIT_S):
-                        assert proc.stdout is not None
-                        while line := await proc.stdout.readline():
-                            handle(shard, json.loads(line))
-        await _stop_processes(self.procs)
-        self.pool.refill()
+    try:
+        asyncio.run(run())
+    finally:
+        writer.close()
 
 
 if __name__ == "__main__":

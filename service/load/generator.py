@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import time
@@ -231,10 +232,21 @@ class LoadGenerator:
         # requests already sent are awaited and measured.
         self._stop: asyncio.Event | None = None
         self.sent = 0
-        # Progress, for hang detection (``service.control.runner``): streams open now, and when
-        # any stream last got bytes (``time.perf_counter``).
-        self.open = 0
+        # Progress, for hang detection (``service.control.runner``): when each open stream
+        # started, oldest first (``time.perf_counter``), and when any stream last got bytes.
+        self._open_since: dict[int, float] = {}
+        self._streams = itertools.count()
         self.last_data = time.perf_counter()
+
+    @property
+    def open(self) -> int:
+        """How many streams are open now."""
+        return len(self._open_since)
+
+    @property
+    def oldest_open(self) -> float | None:
+        """When the oldest stream open now started (None: none is open)."""
+        return next(iter(self._open_since.values()), None)
 
     @property
     def stopping(self) -> asyncio.Event:
@@ -316,7 +328,9 @@ class LoadGenerator:
         last = start
         got_first = False
         buffer = b""
-        self.open += 1
+        # Streams start in time order, so the dict's first entry is the oldest open one.
+        stream = next(self._streams)
+        self._open_since[stream] = start
         try:
             async with self.session.post(
                 self.url, data=self._body(plan, position), headers={"Content-Type": "application/json"},
@@ -361,7 +375,7 @@ class LoadGenerator:
         except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
             sample.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         finally:
-            self.open -= 1
+            del self._open_since[stream]
         return sample
 
     async def _run_all(
