@@ -29,6 +29,8 @@ registration answers through ``POST /stub/connector``. At its start (and when it
 given a config) it reports its provenance as the connector does (``connector.provenance``):
 the engine settings as vLLM would resolve them from its flags, versions, hardware, its
 command line (token hidden) and environment; ``STUB_NO_PROVENANCE`` leaves that out.
+What it pulls and reports are the service's own protocol types (``service.core.protocol``),
+from this checkout, so a change of the protocol shows here too.
 """
 
 from __future__ import annotations
@@ -43,12 +45,23 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+# Run as a script (``python tests/stub_vllm.py``): the checkout it belongs to comes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.core.protocol import (
+    ConnectorReport,
+    FillAnswer,
+    RunCounters,
+    WorkerProvenance,
+)
 
 
 class Connector:
@@ -70,22 +83,22 @@ class Connector:
         self.token = str(extra.get("worker_token", ""))
         self.headers = {"Authorization": f"Bearer {self.token}"}
 
-    def provenance(self) -> dict[str, Any]:
+    def provenance(self) -> WorkerProvenance:
         """What the real connector reports of its server, for this stub."""
         argv = [sys.executable, *sys.argv]
         if self.token:
             argv = [a.replace(self.token, "<redacted>") for a in argv]
         env = {k: v for k, v in sorted(os.environ.items())
                if k.startswith("VLLM_") or k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
-        return {
-            "versions": {"vllm": "0.0.0-stub", "torch": None, "python": sys.version.split()[0]},
-            "engine": self.engine,
-            "kv_cache": {"num_blocks": 100000, "block_size": 16, "tokens": 1_600_000},
-            "hardware": {"cpu_model": "Stub CPU", "cpu_cores": os.cpu_count(),
-                         "cpu_cores_usable": len(os.sched_getaffinity(0)), "machine": "x86_64"},
-            "argv": argv,
-            "env": env,
-        }
+        return WorkerProvenance(
+            versions={"vllm": "0.0.0-stub", "torch": None, "python": sys.version.split()[0]},
+            engine=self.engine,
+            kv_cache={"num_blocks": 100000, "block_size": 16, "tokens": 1_600_000},
+            hardware={"cpu_model": "Stub CPU", "cpu_cores": os.cpu_count(),
+                      "cpu_cores_usable": len(os.sched_getaffinity(0)), "machine": "x86_64"},
+            argv=argv,
+            env=env,
+        )
 
     async def send_provenance(self) -> None:
         """Report the provenance once, as the connector's scheduler side does at its start."""
@@ -94,7 +107,7 @@ class Connector:
         with contextlib.suppress(httpx.HTTPError):
             async with httpx.AsyncClient() as client:
                 await client.post(f"{self.url}/api/connector/provenance", headers=self.headers,
-                                  json=self.provenance())
+                                  json=self.provenance().model_dump())
 
     async def admitted(self, run_id: str) -> None:
         """Count one request of ``run_id``, pulling the run's mode the first time."""
@@ -105,8 +118,8 @@ class Connector:
                 async with httpx.AsyncClient() as client:
                     answer = await client.get(f"{self.url}/api/connector/fill",
                                               params={"run_id": run_id}, headers=self.headers)
-                self.modes[run_id] = (answer.json()["mode"] if answer.status_code == 200
-                                      else "unresolved")
+                self.modes[run_id] = (FillAnswer.model_validate(answer.json()).mode
+                                      if answer.status_code == 200 else "unresolved")
         mode = self.modes[run_id]
         counts = self.counters.setdefault(run_id, {"requests_seen": 0})
         counts["requests_seen"] += 1
@@ -117,13 +130,15 @@ class Connector:
         """Send both sides' cumulative counters, as the connector does after a request ends."""
         if self.url is None or not self.counters:
             return
-        scheduler = {run: dict(c) for run, c in self.counters.items()}
-        worker = {run: {"requests_filled": c.get("filled_requests", 0)}
-                  for run, c in self.counters.items()}
+        scheduler = ConnectorReport(role="scheduler", rank=0, runs={
+            run: RunCounters(**c) for run, c in self.counters.items()})
+        worker = ConnectorReport(role="worker", rank=0, runs={
+            run: RunCounters(requests_filled=c.get("filled_requests", 0))
+            for run, c in self.counters.items()})
         async with httpx.AsyncClient() as client:
-            for role, runs in (("scheduler", scheduler), ("worker", worker)):
+            for report in (scheduler, worker):
                 await client.post(f"{self.url}/api/connector/report", headers=self.headers,
-                                  json={"role": role, "rank": 0, "runs": runs})
+                                  json=report.model_dump(exclude_none=True))
 
 
 def build_app(served_name: str, interval: float, startup_delay: float,

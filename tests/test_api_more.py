@@ -205,7 +205,8 @@ def test_a_run_cancelled_mid_run_is_deleted_once_its_runner_let_go(
     monkeypatch.setenv("STUB_TOKEN_INTERVAL_S", "0.02")
     with make_client(tmp_path) as client:
         run_id = client.post("/api/runs", json={**SMALL, "output_len": 100, "num_prompts": 8}).json()["id"]
-        wait_for(client, run_id, lambda r: r["status"] == "running" and r["progress"]["completed"] >= 1)
+        running = wait_for(client, run_id,
+                           lambda r: r["status"] == "running" and r["progress"]["completed"] >= 1)
         assert client.post(f"/api/runs/{run_id}/cancel").status_code == 200
         answers = []
         for _ in range(100):
@@ -216,7 +217,12 @@ def test_a_run_cancelled_mid_run_is_deleted_once_its_runner_let_go(
             assert response.status_code == 409 and "still saving" in _detail(response)
             time.sleep(0.05)
         assert answers[-1] == 204, answers
-        time.sleep(0.5)  # nothing the runner did afterwards brings it back
+        # Nothing that comes late brings it back: the next run on the same server goes
+        # through the whole path (driver, streams, the connector's report, which also lists
+        # the deleted run's counters) and ends.
+        after = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+        assert after["status"] == "succeeded", after["error"]
+        assert after["worker_id"] == running["worker_id"] and after["connector"]["requests_filled"] == 2
         assert client.get(f"/api/runs/{run_id}").status_code == 404
         assert _rows(client, SampleRow, run_id) == 0
 

@@ -11,6 +11,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,14 +100,49 @@ def _register(client: TestClient, url: str, **extra: Any) -> dict[str, Any]:
     return dict(response.json())
 
 
-def _worker(client: TestClient, worker_id: str, status: str, timeout: float = 20) -> dict[str, Any]:
+def _worker(client: TestClient, worker_id: str, status: str, timeout: float = 20,
+            error: str | None = None) -> dict[str, Any]:
+    """The worker once it has ``status`` (and an error containing ``error``, when given)."""
     deadline = time.monotonic() + timeout
     while True:
         worker = client.get(f"/api/workers/{worker_id}").json()
-        if worker["status"] == status:
+        if worker["status"] == status and (error is None or error in (worker["error"] or "")):
             return dict(worker)
-        assert time.monotonic() < deadline, f"worker never became {status}: {worker}"
+        assert time.monotonic() < deadline, f"worker never became {status} ({error}): {worker}"
         time.sleep(0.05)
+
+
+class Silent:
+    """A port that takes connections and closes them unanswered, as a server that does not
+    answer, and counts them: each probe of the service is one."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_server(("127.0.0.1", port))
+        self.sock.settimeout(0.05)
+        self.connections = 0
+        self._open = True
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while self._open:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            self.connections += 1
+
+    def wait_connections(self, count: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while self.connections < count:
+            assert time.monotonic() < deadline, f"{self.connections} connections, not {count}"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._open = False
+        self._thread.join()
+        self.sock.close()
 
 
 def test_registered_server_takes_the_runs_of_its_model_and_engine(
@@ -151,15 +187,21 @@ def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
     client: TestClient, remotes: Callable[..., RemoteStub]
 ) -> None:
     port = _free_port()
+    silent = Silent(port)
     registered = _register(client, f"http://127.0.0.1:{port}")
-    down = _worker(client, registered["id"], "unavailable")
-    assert "no answer" in down["error"]
+    down = _worker(client, registered["id"], "unavailable", error="no answer")
     index = client.get("/").text
     assert registered["id"] in index and "registered" in index and down["error"] in index
     run_id = client.post("/api/runs", json=SMALL).json()["id"]
-    time.sleep(1.5)  # several probes and scheduler passes
+    probed = silent.connections
+    # The scheduler went over it: a local run queued after it (runs are taken oldest first)
+    # is placed and ends. And two whole probe rounds came after it was queued.
+    local = client.post("/api/runs", json={**SMALL, "model": "decodebench-tiny"}).json()["id"]
+    assert wait_finished(client, local)["status"] == "succeeded"
+    silent.wait_connections(probed + 3)
     assert client.get(f"/api/runs/{run_id}").json()["status"] == "queued"
 
+    silent.close()
     remotes(port)
     _worker(client, registered["id"], "ready")
     run = wait_finished(client, run_id)
@@ -208,8 +250,9 @@ def test_a_server_gone_since_its_last_probe_leaves_the_run_queued_not_failed(
         _worker(client, registered["id"], "ready")
         remote.stop()  # the probe that just passed is the last one for a while
         run_id = client.post("/api/runs", json=SMALL).json()["id"]
-        _worker(client, registered["id"], "unavailable")
-        time.sleep(0.5)
+        # The run was placed on the server, and its runner found it gone and let the run be.
+        _worker(client, registered["id"], "unavailable",
+                error="did not answer /health as a run was about to start")
         assert client.get(f"/api/runs/{run_id}").json()["status"] == "queued"
         remotes(port)
         run = wait_finished(client, run_id)

@@ -20,10 +20,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import API_TOKEN
 from tests.service_process import ServiceProcess
 
 
+# Above schemathesis' own 900 s, which fails with its output.
+@pytest.mark.timeout(1200)
 def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(tmp_path: Path) -> None:
     # One worker: with two, hypothesis describes strategies with ast.parse in two threads
     # at once, and CPython 3.11 fails that now and then ("AST constructor recursion depth

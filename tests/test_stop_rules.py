@@ -83,6 +83,11 @@ def test_interval_rule_stops_before_the_budget(client: TestClient) -> None:
     page = client.get(f"/runs/{run['id']}")
     assert page.status_code == 200
     assert f"Stopped sending: interval reached after {sent} requests" in page.text
+    # The page and the export say what the interval is.
+    assert "bootstrap interval over requests" in page.text
+    exported = client.get(f"/api/runs/{run['id']}/export").json()["decodebench"]["stopped_by"]
+    assert exported["itl_ci_means"].startswith("The interval is a ")
+    assert exported["itl_ci_confidence"] == stopped["itl_ci_confidence"]
 
 
 def test_unreachable_interval_stops_at_max_prompts(client: TestClient) -> None:

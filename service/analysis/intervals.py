@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import stats
@@ -43,6 +43,7 @@ class Interval:
     value: float
     lo: float
     hi: float
+    confidence: float = CONFIDENCE
 
     def half_width_pct(self) -> float:
         """The larger distance from the value to an end, in percent of the value (inf for
@@ -53,7 +54,7 @@ class Interval:
 
     def scaled(self, factor: float) -> Interval:
         """The same interval in other units."""
-        return Interval(self.value * factor, self.lo * factor, self.hi * factor)
+        return replace(self, value=self.value * factor, lo=self.lo * factor, hi=self.hi * factor)
 
     def pair(self) -> list[float]:
         """``[lo, hi]``, as the API returns it."""
@@ -158,7 +159,7 @@ def pooled_quantile_ci(groups: Sequence[Sequence[float] | np.ndarray], q: float,
         random_state=np.random.default_rng(seed),
     )
     ci = result.confidence_interval
-    return Interval(pooled.value(), float(ci.low), float(ci.high))
+    return Interval(pooled.value(), float(ci.low), float(ci.high), confidence)
 
 
 def pooled_median_ci(groups: Sequence[Sequence[float] | np.ndarray], confidence: float = CONFIDENCE,

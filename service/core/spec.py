@@ -169,11 +169,12 @@ class RampUpSpec(Strict):
 
 
 class StopSpec(Strict):
-    """When a run stops sending: once the 95% interval of its median decode ITL is within
-    +-``itl_ci_pct`` percent of the median (checked from ``min_prompts`` answered requests
-    on), after ``duration_s`` seconds of measurement, or at ``max_prompts`` requests
-    (default: the run's ``num_prompts``), whichever comes first. Requests already sent
-    are awaited and measured."""
+    """When a run stops sending: once the interval of its median decode ITL is within
+    +-``itl_ci_pct`` percent of the median (looked at from ``min_prompts`` answered
+    requests on, each time the count doubles; each look's interval at 1 - 5%/looks, see
+    ``service.analysis.stopping``), after ``duration_s`` seconds of measurement, or at
+    ``max_prompts`` requests (default: the run's ``num_prompts``), whichever comes first.
+    Requests already sent are awaited and measured."""
 
     itl_ci_pct: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
     min_prompts: Int | None = Field(default=None, ge=2, le=MAX_PROMPTS)
