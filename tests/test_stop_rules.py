@@ -80,6 +80,9 @@ def test_interval_rule_stops_before_the_budget(client: TestClient) -> None:
     lo, hi = stopped["itl_ci_ms"]
     assert lo <= stopped["median_itl_ms"] <= hi
     assert "interval reached after" in stopped["message"]
+    # The interval reported is the sequential rule's: at the confidence of each planned look.
+    assert stopped["looks"]["met_at"] is not None and stopped["looks"]["taken"] >= 1
+    assert stopped["itl_ci_confidence"] == pytest.approx(1 - 0.05 / stopped["looks"]["planned"])
     page = client.get(f"/runs/{run['id']}")
     assert page.status_code == 200
     assert f"Stopped sending: interval reached after {sent} requests" in page.text

@@ -231,7 +231,7 @@ class Runner:
             return
         duration, sent, rule = await self._measure(handle)
         # The interval over every answered request (the rule was checked on fewer).
-        interval = await asyncio.to_thread(itl_interval, list(self.samples))
+        interval = await asyncio.to_thread(itl_interval, list(self.samples), spec)
         if rule is None:
             rule = MAX_PROMPTS if spec.stop is not None else NUM_PROMPTS
         self.stopped_by = stop_record(rule, spec, sent, interval)
