@@ -15,7 +15,7 @@ from service.control import procs
 from service.control.queue import Scheduler
 from service.core.status import RunStatus
 from service.storage import store
-from tests.conftest import make_client, make_settings, wait_for, wait_finished
+from tests.conftest import make_client, make_settings, wait_finished, wait_for
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 6, "max_concurrency": 3}
 
