@@ -148,7 +148,8 @@ class Scraper:
             return None
         # The gauges were read somewhere between sending and receiving: stamp the middle.
         half = (time.perf_counter() - sent) / 2
-        values = _parse(response.text)
+        # Off the event loop: a big exposition text takes a while to parse.
+        values = await asyncio.to_thread(_parse, response.text)
         if values is None:
             self._complain("%s/metrics is not a Prometheus exposition text", self.url)
             return None

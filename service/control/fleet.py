@@ -92,6 +92,7 @@ class Fleet(RegisteredServers):
         self._starting: dict[str, Placement] = {}
         self.local = LocalServers(settings, engine, client)
         self.driver_pool = DriverPool(settings.logs_dir)
+        self._gpus: list[str] = []
 
     @property
     def tokens(self) -> dict[str, str]:
@@ -104,6 +105,8 @@ class Fleet(RegisteredServers):
         """After a crash: stop worker process groups a previous service left, and take
         back the registered servers (unavailable until probed). Returns how many
         orphans were stopped."""
+        # The GPUs, once: NVML's first answer can take a while (never on the event loop).
+        self._gpus = await asyncio.to_thread(self.settings.gpu_ids)
         orphans = await asyncio.to_thread(self.local.reap_orphans)
         registered = await self.load_registered()
         if registered:
@@ -131,8 +134,8 @@ class Fleet(RegisteredServers):
         return rows, [(p.key, p.gpus) for p in self._starting.values()]
 
     def gpu_ids(self) -> list[str]:
-        """The GPUs servers may be placed on."""
-        return self.settings.gpu_ids()
+        """The GPUs servers may be placed on (known from ``recover``)."""
+        return list(self._gpus)
 
     def reserve(self, decision: Decision) -> Placement:
         """Hold what a placement decided for its run, before any await: the reused server
