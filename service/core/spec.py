@@ -26,17 +26,11 @@ from pydantic import (
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 
 MAX_INPUT_LEN = 1 << 20
-
-
 MAX_OUTPUT_LEN = 1 << 16
-
-
 MAX_PROMPTS = 100_000
-
 
 # Trials of one point; a sweep's runs (points x repeats) stay under MAX_SWEEP_RUNS.
 MAX_REPEATS = 32
-
 
 # org/name with the hub's character rules, or a bare name; no "..", no leading "-".
 _REPO_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95})(?:/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95}))?$")

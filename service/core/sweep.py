@@ -15,7 +15,6 @@ from service.core.spec import MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REPEATS, Int, R
 
 MAX_SWEEP_RUNS = 256
 
-
 # Fields a sweep may vary; dotted names reach into nested specs.
 SWEEP_KEYS = ("input_len", "output_len", "max_concurrency", "request_rate", "mode", "fill.mean",
               "fill.std")
