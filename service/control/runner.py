@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from typing import Any
 
@@ -32,14 +31,15 @@ from service.analysis.checks import (
     server_warnings,
 )
 from service.analysis.metrics import run_warnings, summarize, summary_intervals
-from service.analysis.server_metrics import RUNNING, WAITING, Scraper
 from service.analysis.server_metrics import Point as ScrapedPoint
+from service.analysis.server_metrics import Scraper
 from service.analysis.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
 from service.analysis.stopping import record as stop_record
 from service.control import hub, provenance
 from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
 from service.control.vllm_cli import local_model_config
+from service.control.watchdog import Watchdog
 from service.core.ids import utcnow
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 # Samples reach the database at least this often while a run is measured, so a crash of
 # the service loses at most this much of a run; progress is read from them.
 PERSIST_EVERY_S = 0.5
-WATCH_EVERY_S = 0.5
 # Tries (with a growing pause) for the write that ends a run.
 END_TRIES = 5
 # After the last response, the connector's counters for the run are awaited this long.
@@ -64,13 +63,6 @@ REPORT_WAIT_S = 3.0
 # run, so it never takes more than a few percent of a core from the measurement).
 STOP_CHECK_S = 1.0
 STOP_CHECK_SHARE = 20
-# A stream may be silent for this many times the run's longest time to first token
-# before its worker counts as hung (``Settings.stall_s`` is the floor).
-STALL_TTFT_FACTOR = 3.0
-# Before a run's first token, a real prefill is allowed this slow (tokens per second): a
-# 131,072-token prompt gets 131 s. Far below any GPU's; about a 2-core CPU's for a 1B
-# model.
-SLOWEST_PREFILL_TOKENS_S = 1000.0
 
 
 class RunFailed(Exception):
@@ -103,11 +95,7 @@ class Runner:
         self.handle: WorkerHandle | None = None
         # ``Run.stopped_by`` once the sending stopped (see ``service.analysis.stopping``).
         self.stopped_by: dict[str, Any] | None = None
-        # The longest time to first token of the run so far (s): a prefill this long is
-        # not a hang (see ``_stalled``).
-        self._longest_ttft = 0.0
-        # The watchdog's finding about the server (hung, stopped answering), once it has one.
-        self._server_failure: WorkerError | None = None
+        self.watchdog: Watchdog | None = None
 
     # ------------------------------------------------------------ messages
 
@@ -235,8 +223,8 @@ class Runner:
         if rule is None:
             rule = MAX_PROMPTS if spec.stop is not None else NUM_PROMPTS
         self.stopped_by = stop_record(rule, spec, sent, interval)
-        if self._server_failure is not None:
-            raise self._server_failure
+        if self.watchdog is not None and self.watchdog.finding is not None:
+            raise self.watchdog.finding
         if not handle.alive():
             tail = await asyncio.to_thread(handle.tail)
             await self.fleet.bury(handle, "exited during a run")
@@ -344,14 +332,11 @@ class Runner:
         (None: all were sent). Samples land in ``self.samples`` as they arrive."""
         drivers = self.fleet.drivers_for(self.run_id, self.spec, handle)
         self.beats = drivers.beats
-        failures = [0]
+        watch = self.watchdog = Watchdog(self.settings, self.spec, self.fleet, handle, drivers)
 
         def on_sample(sample: Sample) -> None:
             self.samples.append(sample)
-            if not sample.success:
-                failures[0] += 1
-            elif sample.ttft > self._longest_ttft:
-                self._longest_ttft = sample.ttft
+            watch.saw(sample)
 
         # At the start and end always; during the run only when asked (``scrape_every_s``):
         # a scrape stalls every open stream of the server (see ``Settings``).
@@ -367,7 +352,7 @@ class Runner:
         if (first := await scraper.scrape()) is not None:
             on_point(first)
         measure = asyncio.create_task(drivers.run(on_sample))
-        watchdog = asyncio.create_task(self._watch(handle, failures, drivers))
+        watchdog = asyncio.create_task(watch.run())
         persister = asyncio.create_task(self._persist_every())
         scraping = asyncio.create_task(scraper.run(on_point))
         if not every_s:
@@ -419,83 +404,6 @@ class Runner:
                 log.exception("run %s: writing its end state failed (try %d of %d)",
                               self.run_id, attempt + 1, END_TRIES)
                 await asyncio.sleep(0.05 * 2 ** attempt)
-
-    def stall_limit(self) -> float:
-        """Seconds without a byte on any open stream after which the worker has hung:
-        ``stall_s``, or more where a prefill may be that silent (one step of the engine
-        can hold a whole prompt's prefill, and every stream waits for it). That is
-        three times the run's longest time to first token so far; before the first, for
-        a real prefill, its longest prompt at ``SLOWEST_PREFILL_TOKENS_S``."""
-        if self._longest_ttft > 0:
-            return max(self.settings.stall_s, STALL_TTFT_FACTOR * self._longest_ttft)
-        if self.spec.mode == "prefill":
-            longest = math.floor(self.spec.input_len * (1 + self.spec.range_ratio))
-            return max(self.settings.stall_s, longest / SLOWEST_PREFILL_TOKENS_S)
-        return self.settings.stall_s
-
-    async def _stalled(self, handle: WorkerHandle, drivers: LoadDrivers) -> WorkerError | None:
-        """A ``WorkerError`` when streams are open and none got a byte for ``stall_limit``
-        (the worker's /health may still answer: a stuck engine keeps its API server up)."""
-        progress = drivers.quiet()
-        if progress is None:
-            return None
-        open_now, quiet = progress
-        limit = self.stall_limit()
-        if open_now == 0 or quiet < limit:
-            return None
-        said = await self._engine_says(handle)
-        tail = await asyncio.to_thread(handle.tail)
-        self._server_failure = WorkerError(
-            f"vLLM server hung: none of the {open_now} open streams got a token for {quiet:.0f} s "
-            f"(the limit: {limit:.0f} s; DECODEBENCH_STALL_S sets it, and it is more where a "
-            f"prefill may be that silent), while {said}; last log lines:\n{tail}"
-        )
-        # Known before the stop: requests failing meanwhile must not read as the server
-        # exiting on its own.
-        await self.fleet.retire(handle, f"hung: no token on any open stream for {quiet:.0f} s")
-        return self._server_failure
-
-    async def _engine_says(self, handle: WorkerHandle) -> str:
-        """What the worker's /metrics says it is doing, in words for an error message."""
-        point = await Scraper(self.fleet.client, handle.url).scrape()
-        if point is None:
-            return "its /metrics did not answer"
-        running = point.values.get(RUNNING)
-        waiting = point.values.get(WAITING)
-        if running is None:
-            return "its /metrics did not say how many requests it runs"
-        return f"it reported {running:.0f} requests running and {waiting or 0:.0f} waiting"
-
-    async def _watch(self, handle: WorkerHandle, failures: list[int], drivers: LoadDrivers) -> WorkerError:
-        """Return (never raise) once the worker has died, hung (``_stalled``), or stopped
-        answering after a failed request; until then, watch."""
-        checked = 0
-
-        async def exited() -> WorkerError:
-            tail = await asyncio.to_thread(handle.tail)
-            await self.fleet.bury(handle, "exited during a run")
-            return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
-
-        while True:
-            await asyncio.sleep(WATCH_EVERY_S)
-            if not handle.alive():
-                return await exited()
-            if failures[0] > checked:
-                checked = failures[0]
-                if not await self.fleet.healthy(handle):
-                    # A dying server refuses connections a moment before it is reaped.
-                    await asyncio.sleep(WATCH_EVERY_S)
-                    if not handle.alive():
-                        return await exited()
-                    tail = await asyncio.to_thread(handle.tail)
-                    self._server_failure = WorkerError(
-                        f"vLLM server stopped answering during the run ({checked} requests "
-                        f"failed); last log lines:\n{tail}"
-                    )
-                    await self.fleet.retire(handle, "stopped answering")
-                    return self._server_failure
-            if (hung := await self._stalled(handle, drivers)) is not None:
-                return hung
 
 
 def spec_problem(spec: RunSpec) -> str | None:
