@@ -34,7 +34,7 @@ from service.control.placement import Decision, WorkerRow
 from service.control.registered import RegisteredServers
 from service.core.sample import Sample
 from service.core.spec import RunSpec
-from service.load.shards import DriverPool, Drivers
+from service.load.shards import DriverPool
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,50 @@ class LoadDrivers(Protocol):
         ...
 
 
+class ServerBackend(Protocol):
+    """Where the servers this service starts run, and how they are started and stopped
+    (``service.control.local.LocalServers``: processes on this machine)."""
+
+    # Worker tokens of the servers it started, by worker id.
+    tokens: dict[str, str]
+
+    async def start(self, spec: RunSpec, gpus: list[str], hold: Callable[[WorkerHandle], None],
+                    taken: set[int]) -> WorkerHandle:
+        """Start a server for ``spec`` on ``gpus``; ``hold`` gets its handle as soon as it
+        exists (before any await); return once it is healthy."""
+        ...
+
+    async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
+        """Stop the server and everything it started; return once they are gone."""
+        ...
+
+    async def bury(self, handle: WorkerHandle, error: str) -> None:
+        """The server exited on its own: stop what is left of it and record why."""
+        ...
+
+    def reap_orphans(self) -> int:
+        """After a crash of the service: stop servers a previous one left (blocking)."""
+        ...
+
+
+class DriverBackend(Protocol):
+    """Where the load drivers of runs run (``service.load.shards.DriverPool``: processes
+    on this machine)."""
+
+    def start(self) -> None:
+        """Get ready for runs (inside the event loop)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop everything kept ready."""
+        ...
+
+    def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
+                    vocab_size: int | None, request_timeout_s: float, hang_s: float) -> LoadDrivers:
+        """The drivers of one run against the server at ``base_url``."""
+        ...
+
+
 @dataclass
 class Placement:
     """Where a run goes: an idle server of its kind, or GPUs for a new server (after
@@ -80,7 +124,8 @@ class Placement:
 class Fleet(RegisteredServers):
     """The servers and drivers of this service (see the module docstring)."""
 
-    def __init__(self, settings: Settings, engine: Engine, client: httpx.AsyncClient) -> None:
+    def __init__(self, settings: Settings, engine: Engine, client: httpx.AsyncClient,
+                 servers: ServerBackend | None = None, drivers: DriverBackend | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.client = client
@@ -90,8 +135,8 @@ class Fleet(RegisteredServers):
         self._stopping: dict[str, WorkerHandle] = {}
         # Runs placed on a new server that is not up yet, with the GPUs they hold.
         self._starting: dict[str, Placement] = {}
-        self.local = LocalServers(settings, engine, client)
-        self.driver_pool = DriverPool(settings.logs_dir)
+        self.local: ServerBackend = servers or LocalServers(settings, engine, client)
+        self.driver_pool: DriverBackend = drivers or DriverPool(settings.logs_dir)
         self._gpus: list[str] = []
 
     @property
@@ -207,10 +252,10 @@ class Fleet(RegisteredServers):
     async def reap_dead(self) -> None:
         """Bury started servers that exited while idle."""
         for handle in list(self.workers.values()):
-            if handle.process is not None and not handle.alive() and handle.busy_run is None:
+            if not handle.external and not handle.alive() and handle.busy_run is None:
                 tail = await asyncio.to_thread(handle.tail)
-                await self.bury(handle, f"exited with code {handle.process.returncode}; "
-                                        f"last log lines:\n{tail}")
+                code = handle.process.returncode if handle.process is not None else None
+                await self.bury(handle, f"exited with code {code}; last log lines:\n{tail}")
 
     async def _stop(self, handle: WorkerHandle, status: str, error: str) -> None:
         if handle.external:
@@ -260,10 +305,9 @@ class Fleet(RegisteredServers):
 
     def drivers_for(self, run_id: str, spec: RunSpec, handle: WorkerHandle) -> LoadDrivers:
         """The load drivers of a run against its server."""
-        return Drivers.for_run(
-            run_id, spec, handle.url, handle.served_model, handle.vocab_size,
-            self.settings.request_timeout_s, self.driver_pool, self.settings.driver_hang_s,
-        )
+        return self.driver_pool.drivers_for(run_id, spec, handle.url, handle.served_model,
+                                            handle.vocab_size, self.settings.request_timeout_s,
+                                            self.settings.driver_hang_s)
 
 
 def _row(handle: WorkerHandle, stopping: bool) -> WorkerRow:

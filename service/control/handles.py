@@ -47,11 +47,13 @@ class WorkerHandle:
     # Registered servers: the last probe's complaint, and when last_seen_at was last written.
     last_problem: str | None = None
     seen_written: float = 0.0
+    # Who runs it: "local" (a process of this service) or "registered" (started elsewhere).
+    backend: str = "local"
 
     @property
     def external(self) -> bool:
         """True for a registered server this service did not start."""
-        return self.process is None
+        return self.backend == "registered"
 
     def alive(self) -> bool:
         """True while the worker's main process has not exited. A registered server has no

@@ -82,7 +82,7 @@ class RegisteredServers:
         return WorkerHandle(
             id=worker.id, key=worker.key, url=worker.url, port=worker.port,
             served_model=worker.model, process=None, log_path=Path(os.devnull),
-            vocab_size=worker.vocab_size, kv_tokens=worker.kv_tokens,
+            vocab_size=worker.vocab_size, kv_tokens=worker.kv_tokens, backend="registered",
         )
 
     async def load_registered(self) -> int:

@@ -111,6 +111,12 @@ class DriverPool:
         log_path.rename(target)
         return proc, target
 
+    def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
+                    vocab_size: int | None, request_timeout_s: float, hang_s: float) -> Drivers:
+        """The driver processes of one run, taken from this pool."""
+        return Drivers.for_run(run_id, spec, base_url, served_model, vocab_size, request_timeout_s,
+                               self, hang_s)
+
     async def close(self) -> None:
         """Stop the spares; no new ones are started."""
         self._closed = True
