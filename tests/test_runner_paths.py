@@ -81,11 +81,24 @@ class Case:
     kept: tuple[int, int]  # the least and most samples kept (failed requests too)
     settings: dict[str, Any] = field(default_factory=dict)
     spec: dict[str, Any] = field(default_factory=lambda: dict(TINY))
+    worker_error: str | None = None  # a piece of the worker's error
     # True: the worker is not reused and the next run (without the fault) gets a new one.
     replaced: bool = False
 
 
 FAILURES = [
+    pytest.param(Case(
+        env={"STUB_EXIT_AT_START": "3"},
+        error=["vLLM server exited with code 3 before it became healthy",
+               "stub: exiting at start as told"],
+        worker="failed", answered=(0, 0), kept=(0, 0), replaced=True,
+    ), id="server exits as it starts"),
+    pytest.param(Case(
+        env={"STUB_STARTUP_DELAY_S": "inf"},
+        settings={"worker_start_timeout_s": 2, "worker_stop_grace_s": 1},
+        error=["vLLM server not healthy after 2 s"],
+        worker="failed", answered=(0, 0), kept=(0, 0), replaced=True,
+    ), id="server never becomes healthy"),
     pytest.param(Case(
         env={"STUB_CRASH_AFTER": "3", **SLOW_ENV},
         error=["vLLM server exited during the run; last log lines:",
@@ -97,13 +110,15 @@ FAILURES = [
         settings={"stall_s": 1, "worker_stop_grace_s": 1},
         error=["vLLM server hung: none of the", "open streams got a token",
                "stub: hanging as told"],
-        worker="failed", answered=(0, 0), kept=(0, 4), replaced=True,
+        worker="failed", worker_error="hung: no token on any open stream",
+        answered=(0, 0), kept=(0, 4), replaced=True,
     ), id="server hangs with a live /health"),
     pytest.param(Case(
         # Every stream is silent longer than the client waits for a byte; /health answers.
         env={"STUB_FIRST_TOKEN_S": "1.5"},
         settings={"request_timeout_s": 0.3},
-        error=["every request failed; first error: ", "last log lines of the vLLM server:"],
+        error=["every request failed; first error: SocketTimeoutError: Timeout on reading data",
+               "last log lines of the vLLM server:"],
         worker="ready", answered=(0, 0), kept=(4, 4),
     ), id="every request fails"),
     pytest.param(Case(
@@ -137,9 +152,14 @@ def test_a_run_that_cannot_succeed_fails_with_its_reason(
     assert case.kept[0] <= len(kept) <= case.kept[1], kept
     # The counts shown agree with the samples kept.
     assert done["progress"]["completed"] + done["progress"]["failed"] == len(kept)
-    assert done["worker_id"] is not None
-    worker = _worker(client, done["worker_id"])
+    # One worker was started for it (a run whose worker never started names none).
+    workers = client.get("/api/workers").json()
+    assert len(workers) == 1, workers
+    worker = workers[0]
+    assert done["worker_id"] in (worker["id"], None)
     assert worker["status"] == case.worker, worker
+    if case.worker_error is not None:
+        assert case.worker_error in worker["error"], worker
     if case.worker == "failed":
         assert not pid_alive(worker["pid"])
     else:
@@ -149,7 +169,7 @@ def test_a_run_that_cannot_succeed_fails_with_its_reason(
             monkeypatch.delenv(key)
         again = wait_finished(client, client.post("/api/runs", json=TINY).json()["id"], timeout=60)
         assert again["status"] == "succeeded", again["error"]
-        assert again["worker_id"] != done["worker_id"]
+        assert again["worker_id"] != worker["id"]
 
 
 # ---------------------------------------------------------------- before any worker
@@ -237,21 +257,34 @@ def test_a_cancel_while_the_worker_starts_leaves_no_worker_process(
 # ---------------------------------------------------------------- the service stops
 
 
+def _worker_starting(client: TestClient, run_id: str) -> None:
+    _wait(lambda: any(w["pid"] for w in client.get("/api/workers").json()), "a worker process started")
+    assert client.get(f"/api/runs/{run_id}").json()["status"] == "starting"
+
+
+@pytest.mark.parametrize(("env", "spec", "reached", "kept"), [
+    pytest.param({"STUB_STARTUP_DELAY_S": "60"}, TINY, _worker_starting, (0, 0),
+                 id="while its worker starts"),
+    pytest.param(SLOW_ENV, SLOW, _measuring, (2, SLOW["num_prompts"] - 1),
+                 id="while it is measured"),
+])
 def test_a_run_in_progress_when_the_service_stops_is_failed_with_that_reason(
-    service: Callable[..., TestClient],
+    service: Callable[..., TestClient], env: dict[str, str], spec: dict[str, Any],
+    reached: Callable[[TestClient, str], object], kept: tuple[int, int],
 ) -> None:
-    client = service(SLOW_ENV)
-    run = client.post("/api/runs", json=SLOW).json()
-    _measuring(client, run["id"])
-    pid = client.get("/api/workers").json()[0]["pid"]
+    client = service(env)
+    run = client.post("/api/runs", json=spec).json()
+    reached(client, run["id"])
+    worker = client.get("/api/workers").json()[0]
     client.__exit__(None, None, None)  # the service's shutdown
-    assert not pid_alive(pid), "the worker outlived the service"
+    assert not pid_alive(worker["pid"]), "the worker outlived the service"
 
     # Started again on the same data: the runner's own word, not the recovery's.
     client = service()
     done = client.get(f"/api/runs/{run['id']}").json()
     assert done["status"] == "failed"
     assert done["error"] == "the service stopped while this run was in progress"
-    kept = _samples(client, run["id"])
-    assert 2 <= len(kept) < SLOW["num_prompts"]
-    assert done["progress"]["completed"] + done["progress"]["failed"] == len(kept)
+    samples = _samples(client, run["id"])
+    assert kept[0] <= len(samples) <= kept[1], samples
+    assert done["progress"]["completed"] + done["progress"]["failed"] == len(samples)
+    assert _worker(client, worker["id"])["status"] in ("stopped", "failed")
