@@ -82,6 +82,8 @@ class Case:
     settings: dict[str, Any] = field(default_factory=dict)
     spec: dict[str, Any] = field(default_factory=lambda: dict(TINY))
     worker_error: str | None = None  # a piece of the worker's error
+    # A spec the same worker then serves (it stays, with its fault): it succeeds there.
+    then: dict[str, Any] | None = None
     # True: the worker is not reused and the next run (without the fault) gets a new one.
     replaced: bool = False
 
@@ -126,6 +128,7 @@ FAILURES = [
         error=["infeasible: 2 requests at once x 20 tokens each (input + output) = 40 tokens "
                "of KV cache, and this server holds 16", "so the run was not sent"],
         worker="ready", answered=(0, 0), kept=(0, 0),
+        then={**TINY, "input_len": 4, "max_concurrency": 1},  # 1 x 8 tokens fits
     ), id="more KV than the server has"),
     pytest.param(Case(
         env={"STUB_NO_CONNECTOR": "1"},
@@ -164,6 +167,10 @@ def test_a_run_that_cannot_succeed_fails_with_its_reason(
         assert not pid_alive(worker["pid"])
     else:
         assert pid_alive(worker["pid"])
+    if case.then is not None:
+        again = wait_finished(client, client.post("/api/runs", json=case.then).json()["id"], timeout=60)
+        assert again["status"] == "succeeded", again["error"]
+        assert again["worker_id"] == worker["id"]
     if case.replaced:
         for key in case.env:
             monkeypatch.delenv(key)
@@ -232,7 +239,7 @@ def test_a_cancel_while_measured_keeps_the_samples_and_the_worker(
 
 
 def test_a_cancel_while_the_worker_starts_leaves_no_worker_process(
-    service: Callable[..., TestClient],
+    service: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = service({"STUB_STARTUP_DELAY_S": "3"})
     run = client.post("/api/runs", json=TINY).json()
@@ -252,6 +259,11 @@ def test_a_cancel_while_the_worker_starts_leaves_no_worker_process(
     _wait(lambda: not pid_alive(pid), "the starting worker's process gone")
     _wait(lambda: _worker(client, workers[0]["id"])["status"] in ("stopped", "failed"),
           "the starting worker's row ended")
+    # Nothing of the interrupted start holds the next run back.
+    monkeypatch.delenv("STUB_STARTUP_DELAY_S")
+    again = wait_finished(client, client.post("/api/runs", json=TINY).json()["id"], timeout=60)
+    assert again["status"] == "succeeded", again["error"]
+    assert again["worker_id"] != workers[0]["id"]
 
 
 # ---------------------------------------------------------------- the service stops
