@@ -305,11 +305,6 @@ def test_a_run_in_progress_when_the_service_stops_is_failed_with_that_reason(
 # ---------------------------------------------------------------- after the last answer
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the runner stops persisting samples when the load ends (``_measure`` cancels its "
-    "persister) and saves them only in ``_end``: for the up to REPORT_WAIT_S (3 s) it waits "
-    "for the connector's report, and while it summarises, the API shows a running run with "
-    "fewer answered requests than it has"))
 def test_a_run_waiting_for_the_connector_shows_every_answered_request(
     service: Callable[..., TestClient],
 ) -> None:

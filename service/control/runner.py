@@ -218,6 +218,9 @@ class Runner:
                                        started_at=utcnow()):
             return
         duration, sent, rule = await self._measure(handle)
+        # Every answered request saved now: the waits below (the connector's account, the
+        # summary) take seconds, during which progress must be right and a crash lose nothing.
+        await self.persist()
         # The interval over every answered request (the rule was checked on fewer).
         interval = await asyncio.to_thread(itl_interval, list(self.samples), spec)
         if rule is None:
