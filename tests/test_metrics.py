@@ -32,7 +32,7 @@ DESIGN_KEYS = {
     for stat in ("mean", "median", "std", "p50", "p90", "p95", "p99")
     for metric in ("ttft", "tpot", "itl", "e2el")
 }
-# Beyond vLLM's keys: the steady decode window (DESIGN.md, "Metrics").
+# Beyond vLLM's keys: the steady decode window (ARCHITECTURE.md, "Metrics").
 DECODE_KEYS = {"decode_gaps"} | {
     f"decode_{stat}_{metric}_ms" for stat in ("mean", "median", "p99") for metric in ("itl", "tpot")
 }

@@ -210,7 +210,7 @@ def describe(exc: ValidationError) -> str:
 
 
 class RunSpec(Strict):
-    """What one benchmark run measures; see DESIGN.md "RunSpec"."""
+    """What one benchmark run measures; see ARCHITECTURE.md, "RunSpec"."""
 
     model: str = Field(default=TINY_MODEL_NAME, min_length=1, max_length=512)
     input_len: Int = Field(default=1024, ge=1, le=MAX_INPUT_LEN)
