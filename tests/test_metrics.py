@@ -20,8 +20,8 @@ from service.analysis.metrics import (
 )
 
 HERE = Path(__file__).resolve()
-REFERENCE_BESIDE = HERE.parents[2] / "shared/reference/vllm-bench-serve-result.json"
-REFERENCE_COPY = HERE.parent / "data" / "vllm-bench-serve-result.json"
+# A real result file of `vllm bench serve` (vLLM 0.32.0), kept with the tests.
+REFERENCE = HERE.parent / "data" / "vllm-bench-serve-result.json"
 
 DESIGN_KEYS = {
     "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
@@ -356,8 +356,7 @@ def test_summary_equals_vllm_calculate_metrics() -> None:
 
 
 def _reference() -> dict[str, Any]:
-    path = REFERENCE_BESIDE if REFERENCE_BESIDE.exists() else REFERENCE_COPY
-    data: dict[str, Any] = json.loads(path.read_text())
+    data: dict[str, Any] = json.loads(REFERENCE.read_text())
     return data
 
 
