@@ -20,7 +20,19 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Column, Connection, Engine, MetaData, Table, bindparam, event, inspect, select, update
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    MetaData,
+    Table,
+    bindparam,
+    event,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlmodel import Session, create_engine
 
 from service.core.spec import point_key
@@ -233,3 +245,9 @@ def write_session(engine: Engine) -> Iterator[Session]:
     with Session(engine.execution_options(sqlite_begin="IMMEDIATE"), expire_on_commit=False) as session:
         yield session
         session.commit()
+
+
+def ping(engine: Engine) -> None:
+    """Ask the database one trivial question; raises what the driver raises when it cannot answer."""
+    with Session(engine) as session:
+        session.connection().execute(text("SELECT 1"))
