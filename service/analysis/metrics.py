@@ -285,18 +285,25 @@ def _queue_time(s: Sample) -> float:
     return s.start_time - s.due_time if s.due_time is not None else 0.0
 
 
-# The per-request lists of vLLM's result file, in its order, each made of one value per sample.
-VLLM_REQUEST_LISTS: tuple[tuple[str, Callable[[Sample], object]], ...] = (
-    ("input_lens", lambda s: s.prompt_len),
+# The per-request lists of vLLM's result file, in its order: each a field of every sample,
+# or a value made from every sample.
+VLLM_REQUEST_LISTS: tuple[tuple[str, str | Callable[[Sample], object]], ...] = (
+    ("input_lens", "prompt_len"),
     ("output_lens", Sample.counted_output_tokens),
-    ("ttfts", lambda s: s.ttft),
-    ("itls", lambda s: list(s.itl)),
-    ("latencies", lambda s: s.latency),
-    ("start_times", lambda s: s.start_time),
+    ("ttfts", "ttft"),
+    ("itls", "itl"),
+    ("latencies", "latency"),
+    ("start_times", "start_time"),
     ("queue_times", _queue_time),
-    ("generated_texts", lambda s: s.generated_text),
-    ("errors", lambda s: s.error),
+    ("generated_texts", "generated_text"),
+    ("errors", "error"),
 )
+
+
+def request_value(sample: Sample, made: str | Callable[[Sample], object]) -> object:
+    """One sample's entry in a list of ``VLLM_REQUEST_LISTS``."""
+    value = getattr(sample, made) if isinstance(made, str) else made(sample)
+    return list(value) if isinstance(value, list) else value
 
 
 def export_vllm(
@@ -313,7 +320,7 @@ def export_vllm(
     the scheduled time and the POST (0 where no schedule time was kept).
     """
     ordered = sorted(samples, key=lambda s: s.index)
-    lists = {key: [value(s) for s in ordered] for key, value in VLLM_REQUEST_LISTS}
+    lists = {key: [request_value(s, made) for s in ordered] for key, made in VLLM_REQUEST_LISTS}
     return vllm_result(summary, spec_info, lists, len(ordered))
 
 

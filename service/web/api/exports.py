@@ -7,7 +7,7 @@ import csv
 import functools
 import io
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -86,24 +86,32 @@ class _Streamed:
         self.key = key
 
 
+def _request_list(engine: Engine, run_id: str, made: str | Callable[[Sample], object]) -> Iterator[str]:
+    """One per-request list of the vLLM export as JSON, a slice of samples at a time: a field
+    read alone, or a value made from each sample (read without its text)."""
+    yield "["
+    if isinstance(made, str):
+        slices: Iterator[list[Any]] = (
+            [row[0] for row in found] for found in measurements.sample_columns(engine, run_id, [made]))
+    else:
+        slices = ([made(s) for s in found] for found in measurements.sample_slices(engine, run_id))
+    first = True
+    for values in slices:
+        yield ("" if first else ",") + ",".join(_json(v) for v in values)
+        first = False
+    yield "]"
+
+
 def _vllm_json(engine: Engine, run_id: str, result: Mapping[str, object]) -> Iterator[str]:
-    """``result`` as JSON, each per-request list read from the samples a slice at a time (its
-    own pass over them, reading texts only for ``generated_texts``)."""
-    values = dict(VLLM_REQUEST_LISTS)
+    """``result`` as JSON, each per-request list read from the samples as it is written."""
+    lists = dict(VLLM_REQUEST_LISTS)
     yield "{"
     for i, (key, value) in enumerate(result.items()):
         yield ("," if i else "") + _json(key) + ":"
-        if not isinstance(value, _Streamed):
+        if isinstance(value, _Streamed):
+            yield from _request_list(engine, run_id, lists[value.key])
+        else:
             yield _json(value)
-            continue
-        one = values[value.key]
-        text = value.key == "generated_texts"
-        yield "["
-        first = True
-        for found in measurements.sample_slices(engine, run_id, text=text):
-            yield ("" if first else ",") + ",".join(_json(one(s)) for s in found)
-            first = False
-        yield "]"
     yield "}"
 
 

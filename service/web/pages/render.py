@@ -28,7 +28,6 @@ templates = Jinja2Templates(directory=str(Path(__file__).parent.parent / "templa
                             context_processors=[_login_context])
 
 
-
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
