@@ -12,17 +12,39 @@ from contextlib import asynccontextmanager
 import anyio.to_thread
 import httpx
 from fastapi import FastAPI
+from sqlalchemy import Engine
 
 from service.control import provenance
 from service.control.fleet import Fleet
 from service.control.queue import Scheduler
 from service.settings import Settings
+from service.storage import logs
 from service.storage.db import LOOP_EXECUTOR_THREADS, THREADPOOL_THREADS, make_engine
 from service.web import api, openapi_links, pages, prom
 from service.web.errors import install_error_handlers
 from service.web.limits import BodyLimit
 
 log = logging.getLogger(__name__)
+# How often the logs of workers that ended long ago are looked for (``service.storage.logs``).
+LOG_PRUNE_EVERY_S = 60.0
+
+
+async def prune_logs(engine: Engine, settings: Settings) -> None:
+    """Delete the logs of workers that ended before the last ``settings.worker_logs_kept``."""
+    try:
+        await asyncio.to_thread(logs.prune_worker_logs, engine, settings.logs_dir,
+                                settings.worker_logs_kept)
+    except Exception:
+        log.exception("pruning worker logs failed; trying again later")
+
+
+async def prune_logs_every(engine: Engine, settings: Settings) -> None:
+    """``prune_logs`` every ``LOG_PRUNE_EVERY_S`` (workers end while the service runs), until
+    cancelled."""
+    while True:
+        await asyncio.sleep(LOG_PRUNE_EVERY_S)
+        await prune_logs(engine, settings)
+
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service app for ``settings`` (read from the environment when omitted)."""
@@ -49,9 +71,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.prometheus = prom.make_registry(engine, scheduler)
         app.state.api_token = settings.resolve_api_token()
         await scheduler.start()
+        await prune_logs(engine, settings)
+        pruning = asyncio.create_task(prune_logs_every(engine, settings))
         try:
             yield
         finally:
+            pruning.cancel()
+            await asyncio.gather(pruning, return_exceptions=True)
             await scheduler.shutdown()
             await client.aclose()
             engine.dispose()

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     worker_probe_s: float = Field(default=5.0, gt=0)
     # Each worker log is kept to about twice this (the file and one rotated copy).
     worker_log_max_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
+    # The logs of this many ended workers, the last to end, are kept; older ones are deleted
+    # when the service starts and every minute (``service.storage.logs``). At least the 10 the
+    # index page lists, so a failure shown there still has its log.
+    worker_logs_kept: int = Field(default=50, ge=10)
 
     @field_validator("data_dir")
     @classmethod
@@ -78,7 +82,7 @@ class Settings(BaseSettings):
 
     @property
     def logs_dir(self) -> Path:
-        """Where worker logs go."""
+        """Where worker and driver logs go."""
         return self.data_dir / "logs"
 
     @property

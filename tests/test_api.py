@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import create_engine
 
 from tests.conftest import wait_finished
 
@@ -132,6 +135,32 @@ def test_connector_fill_without_token_is_401(client: TestClient) -> None:
 def test_healthz_reports_db_and_scheduler(client: TestClient) -> None:
     body = client.get("/healthz").json()
     assert body == {"status": "ok", "db": "ok", "scheduler": "ok"}
+
+
+SECRET = "/srv/secret-volume/decodebench.sqlite3"
+
+
+def _unreachable() -> sqlite3.Connection:
+    raise sqlite3.OperationalError(f"unable to open database file {SECRET}")
+
+
+def test_healthz_of_a_broken_database_says_so_without_its_error_text(
+        client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    app = client.app
+    working = app.state.engine  # type: ignore[attr-defined]
+    broken = create_engine("sqlite://", creator=_unreachable)
+    app.state.engine = broken  # type: ignore[attr-defined]
+    try:
+        with caplog.at_level(logging.ERROR):
+            response = client.get("/healthz")
+    finally:
+        app.state.engine = working  # type: ignore[attr-defined]
+        broken.dispose()
+    assert response.status_code == 503
+    assert response.json() == {"status": "unavailable", "db": "database unavailable", "scheduler": "ok"}
+    assert "secret" not in response.text and "sqlite" not in response.text.lower()
+    # The operator still finds the cause in the service's log.
+    assert SECRET in caplog.text
 
 
 def test_openapi_documents_every_route(client: TestClient) -> None:

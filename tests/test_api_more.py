@@ -24,7 +24,7 @@ from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.settings import Settings
-from service.storage import store
+from service.storage import measurements
 from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint
 from tests.conftest import API_TOKEN, make_client, wait_finished, wait_for
 
@@ -116,9 +116,9 @@ def _stored_run(client: TestClient, status: RunStatus, **fields: Any) -> str:
     with Session(engine, expire_on_commit=False) as session:
         session.add(run)
         session.commit()
-    store.save_samples(engine, run.id, samples)
-    store.save_server_points(engine, run.id, [(0.0, {"num_requests_running": 1.0}),
-                                              (1.0, {"num_requests_running": 2.0})])
+    measurements.save_samples(engine, run.id, samples)
+    measurements.save_server_points(engine, run.id, [(0.0, {"num_requests_running": 1.0}),
+                                                     (1.0, {"num_requests_running": 2.0})])
     return run.id
 
 

@@ -21,7 +21,7 @@ from service.core.sample import Sample
 from service.core.spec import EngineSpec, RunSpec
 from service.core.status import RunStatus
 from service.core.tinymodel import TINY_MODEL_NAME
-from service.storage import store
+from service.storage import measurements
 from service.storage.tables import Run
 from tests.conftest import FINISHED, wait_for
 
@@ -174,7 +174,7 @@ def _stored_run(client: TestClient, spec: dict[str, Any]) -> str:
     with Session(engine, expire_on_commit=False) as session:
         session.add(run)
         session.commit()
-    store.save_samples(engine, run.id, samples)
+    measurements.save_samples(engine, run.id, samples)
     return run.id
 
 

@@ -26,7 +26,7 @@ from sqlmodel import SQLModel
 
 from service.core.sample import Sample
 from service.core.spec import point_key
-from service.storage import db, store
+from service.storage import db, measurements
 from service.storage.db import current_revision, head_revision, make_engine, upgrade
 from tests.conftest import make_client
 
@@ -167,14 +167,14 @@ def test_sample_stored_twice_keeps_its_first_copy(tmp_path: Path) -> None:
     run_id = fixture_run(path, "succeeded")
     engine = make_engine(path)
     try:
-        samples = store.get_samples(engine, run_id)
+        samples = measurements.get_samples(engine, run_id)
         assert [s.index for s in samples] == [0, 1, 2, 3, 4, 5]
         assert samples[2].ttft == pytest.approx(0.022)
         # Now unique: the same request stored again is kept once.
-        store.save_samples(engine, run_id, [Sample(
+        measurements.save_samples(engine, run_id, [Sample(
             index=2, prompt_len=64, output_tokens=8, ttft=1.0, itl=[], latency=1.0,
             start_time=0.0, success=True)])
-        assert [s.ttft for s in store.get_samples(engine, run_id)][2] == pytest.approx(0.022)
+        assert [s.ttft for s in measurements.get_samples(engine, run_id)][2] == pytest.approx(0.022)
     finally:
         engine.dispose()
 

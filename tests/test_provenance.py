@@ -25,7 +25,7 @@ from service.control import provenance
 from service.core.protocol import WorkerProvenance
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
-from service.storage import store
+from service.storage import store, workers
 from service.storage.db import make_engine
 from service.storage.tables import Worker
 from tests.conftest import make_client, wait_finished
@@ -166,9 +166,9 @@ def test_a_report_after_the_run_took_its_worker_fills_the_runs_provenance(tmp_pa
     engine = make_engine(tmp_path / "db.sqlite3")
     try:
         run, _ = store.create_run(engine, RunSpec(**SMALL))
-        store.add_worker(engine, Worker(
+        workers.add_worker(engine, Worker(
             id="w-1", key="k", model=run.model, engine={}, url="http://127.0.0.1:1", port=1,
-            token_hash=store.hash_token(TOKEN), log_path="/dev/null",
+            token_hash=workers.hash_token(TOKEN), log_path="/dev/null",
             provenance={"launch": provenance.launch(["vllm", "--x", TOKEN], {"VLLM_API_KEY": "s"},
                                                     TOKEN)}))
         assert store.transition(engine, run.id, RunStatus.starting)
@@ -180,7 +180,7 @@ def test_a_report_after_the_run_took_its_worker_fills_the_runs_provenance(tmp_pa
         assert early["worker"]["env"] == {"VLLM_API_KEY": provenance.REDACTED}
         reported = WorkerProvenance(engine={"dtype": "bfloat16"},
                                     kv_cache={"num_blocks": 10, "block_size": 16, "tokens": 160})
-        store.record_worker_provenance(engine, "w-1", reported.model_dump())
+        workers.record_worker_provenance(engine, "w-1", reported.model_dump())
         late = store.get_run(engine, run.id).provenance
         assert late is not None and late["reported"] is True
         assert late["engine"] == {"dtype": "bfloat16"}

@@ -13,7 +13,7 @@ from service.analysis.metrics import summarize, summary_intervals
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
-from service.storage import store
+from service.storage import measurements, store
 from service.storage.db import make_engine
 from tests.conftest import wait_finished
 
@@ -167,7 +167,7 @@ def _finished_run(engine: object, spec: RunSpec, gap_s: float, seed: int) -> str
     run, _ = store.create_run(engine, spec)  # type: ignore[arg-type]
     for status in (RunStatus.starting, RunStatus.running):
         store.transition(engine, run.id, status)  # type: ignore[arg-type]
-    store.save_samples(engine, run.id, samples)  # type: ignore[arg-type]
+    measurements.save_samples(engine, run.id, samples)  # type: ignore[arg-type]
     summary = summarize(samples, 12.0) | summary_intervals(samples)
     store.transition(engine, run.id, RunStatus.succeeded, summary=summary)  # type: ignore[arg-type]
     return run.id

@@ -14,7 +14,7 @@ from sqlalchemy.exc import OperationalError
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
-from service.storage import store
+from service.storage import measurements, store
 from service.storage.db import make_engine
 from tests.conftest import make_client, wait_finished
 
@@ -27,16 +27,16 @@ def _sample(i: int) -> Sample:
 def test_a_sample_saved_twice_is_stored_once(tmp_path: Path) -> None:
     engine = make_engine(tmp_path / "db.sqlite3")
     run, _ = store.create_run(engine, RunSpec(num_prompts=3))
-    store.save_samples(engine, run.id, [_sample(0), _sample(1)])
-    store.save_samples(engine, run.id, [_sample(1), _sample(2)])
-    assert [s.index for s in store.get_samples(engine, run.id)] == [0, 1, 2]
+    measurements.save_samples(engine, run.id, [_sample(0), _sample(1)])
+    measurements.save_samples(engine, run.id, [_sample(1), _sample(2)])
+    assert [s.index for s in measurements.get_samples(engine, run.id)] == [0, 1, 2]
 
 
 def test_an_older_database_with_duplicate_samples_gets_the_unique_index(tmp_path: Path) -> None:
     path = tmp_path / "db.sqlite3"
     engine = make_engine(path)
     run, _ = store.create_run(engine, RunSpec(num_prompts=2))
-    store.save_samples(engine, run.id, [_sample(0), _sample(1)])
+    measurements.save_samples(engine, run.id, [_sample(0), _sample(1)])
     engine.dispose()
     # What a service before the index could leave: the index gone, a sample stored twice
     # (and, before schema migrations, no Alembic revision).
@@ -48,7 +48,7 @@ def test_an_older_database_with_duplicate_samples_gets_the_unique_index(tmp_path
                      " output_tokens, ttft, itl, latency, start_time, success, error, generated_text"
                      " FROM sample WHERE \"index\" = 1")
     engine = make_engine(path)
-    assert [s.index for s in store.get_samples(engine, run.id)] == [0, 1]
+    assert [s.index for s in measurements.get_samples(engine, run.id)] == [0, 1]
     with sqlite3.connect(path) as conn:
         names = [r[1] for r in conn.execute("PRAGMA index_list('sample')")]
     assert "uq_sample_run_index" in names

@@ -25,7 +25,7 @@ from service.core.ids import new_id
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
-from service.storage import store
+from service.storage import measurements
 from service.storage.tables import Run
 
 # Cut from what vLLM 0.32's PrometheusStatLogger writes with two engines (data parallel):
@@ -353,13 +353,13 @@ def _finished_run(client: TestClient) -> str:
     with Session(engine, expire_on_commit=False) as session:
         session.add(run)
         session.commit()
-    store.save_samples(engine, run.id, samples)
+    measurements.save_samples(engine, run.id, samples)
     return run.id
 
 
 def _scrapes(run_id: str, client: TestClient) -> None:
     engine = client.app.state.engine  # type: ignore[attr-defined]
-    store.save_server_points(engine, run_id, [
+    measurements.save_server_points(engine, run_id, [
         (T0 - 0.5, {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0,
                     "vllm:kv_cache_usage_perc": 0.0, "vllm:num_preemptions": 1.0}),
         Point(T0 + 0.5, {"vllm:num_requests_running": 2.0, "vllm:num_requests_waiting": 1.0,

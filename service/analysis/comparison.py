@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 from sqlalchemy import Engine
-from sqlmodel import Session, col, select
 
 from service.analysis.intervals import (
     BOOTSTRAP,
@@ -28,14 +27,11 @@ from service.analysis.intervals import (
     ratio_by_requests,
     ratio_by_trials,
 )
-from service.analysis.metrics import request_values
-from service.core.ids import utcnow
-from service.core.sample import Sample
+from service.analysis.metrics import request_values, wait_windows
 from service.core.spec import point_key
 from service.core.status import FINISHED, RunStatus
-from service.storage import store
-from service.storage.db import write_session
-from service.storage.tables import Baseline, Run
+from service.storage import baselines, measurements, store, sweeps
+from service.storage.tables import Run
 from service.web.errors import Conflict, NotFound, shown
 from service.web.schemas import SweepPublic
 
@@ -82,7 +78,6 @@ class Arm:
     id: str
     runs: list[Run]
     _values: dict[str, list[np.ndarray]] | None = field(default=None, repr=False)
-    _samples: list[list[Sample]] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> list[Run]:
@@ -99,22 +94,29 @@ class Arm:
     def trial_values(self, key: str) -> list[float]:
         return [float(v) for r in self.ok if isinstance(v := (r.summary or {}).get(key), int | float)]
 
-    def samples(self, engine: Engine) -> list[list[Sample]]:
-        """Each succeeded trial's samples."""
-        if self._samples is None:
-            self._samples = [store.get_samples(engine, r.id) for r in self.ok]
-        return self._samples
-
     def request_groups(self, engine: Engine, name: str) -> list[np.ndarray]:
         """Per request of every succeeded trial, the values ``name`` pools (the steady
         window of each trial is its own)."""
         if self._values is None:
             merged: dict[str, list[np.ndarray]] = {}
-            for trial in self.samples(engine):
-                for k, groups in request_values(trial).items():
+            for run in self.ok:
+                for k, groups in trial_values(engine, run.id).items():
                     merged.setdefault(k, []).extend(groups)
             self._values = merged
         return self._values.get(name, [])
+
+
+def trial_values(engine: Engine, run_id: str) -> dict[str, list[np.ndarray]]:
+    """``request_values`` of one run, read a slice of samples at a time and without their
+    texts (the run's waits for first tokens come first, from two columns)."""
+    timing = [row for found in measurements.sample_columns(engine, run_id, ("success", "start_time", "ttft"))
+              for row in found if row[0]]
+    waits = wait_windows([row[1] for row in timing], [row[2] for row in timing])
+    out: dict[str, list[np.ndarray]] = {}
+    for found in measurements.sample_slices(engine, run_id):
+        for k, groups in request_values(found, waits).items():
+            out.setdefault(k, []).extend(groups)
+    return out
 
 
 def arm_id(run: Run) -> str:
@@ -296,42 +298,22 @@ def mark_baseline(engine: Engine, arm_or_run: str) -> dict[str, Any]:
     if not arm.ok:
         raise Conflict(f"{arm.id} has no succeeded run: only measured numbers can be a baseline")
     point = _point_of(arm.runs[0])
-    with write_session(engine) as session:
-        row = session.get(Baseline, point)
-        if row is None:
-            row = Baseline(point=point, arm=arm.id, model=arm.runs[0].model)
-        row.arm, row.created_at = arm.id, utcnow()
-        session.add(row)
+    baselines.set_baseline(engine, point, arm.id, arm.runs[0].model)
     return {"point": point, "arm": arm.id, "model": arm.runs[0].model}
 
 
 def unmark_baseline(engine: Engine, arm_or_run: str) -> None:
     """Drop the baseline an arm is; Conflict when it is none."""
     arm = load_arm(engine, arm_or_run, whole_group=True)
-    with write_session(engine) as session:
-        row = session.get(Baseline, _point_of(arm.runs[0]))
-        if row is None or row.arm != arm.id:
-            raise Conflict(f"{arm.id} is not the baseline of its point; nothing to unmark")
-        session.delete(row)
-
-
-def list_baselines(engine: Engine) -> list[Baseline]:
-    """Every baseline, newest first."""
-    with Session(engine) as session:
-        return list(session.exec(select(Baseline).order_by(col(Baseline.created_at).desc())).all())
-
-
-def baseline_of(engine: Engine, run: Run) -> Baseline | None:
-    """The baseline of a run's point, if one is marked."""
-    with Session(engine) as session:
-        return session.get(Baseline, _point_of(run))
+    if not baselines.drop_baseline(engine, _point_of(arm.runs[0]), arm.id):
+        raise Conflict(f"{arm.id} is not the baseline of its point; nothing to unmark")
 
 
 def against_baseline(engine: Engine, run: Run,
                      keys: Sequence[str] = REGRESSION_METRICS) -> dict[str, Any] | None:
     """A run's arm against its point's baseline: ``{baseline, is_baseline, changes}``;
     None when the point has no baseline."""
-    row = baseline_of(engine, run)
+    row = baselines.baseline_of(engine, _point_of(run))
     if row is None:
         return None
     if row.arm == arm_id(run):
@@ -350,7 +332,7 @@ def regressions(engine: Engine) -> list[dict[str, Any]]:
     """Per baseline, the newest later arm of its point with a succeeded run, when it is
     worse than the baseline on a regression metric (interval wholly on the worse side)."""
     out = []
-    for row in list_baselines(engine):
+    for row in baselines.list_baselines(engine):
         try:
             base = load_arm(engine, row.arm)
         except NotFound:
@@ -443,8 +425,8 @@ def group_view(engine: Engine, group_id: str) -> dict[str, Any]:
 
 def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
     """A sweep as the API returns it, with its points and fill against prefill."""
-    sweep, runs = store.get_sweep(engine, sweep_id)
-    public = store.sweep_public(engine, sweep_id, (sweep, runs))
+    sweep, runs = sweeps.get_sweep(engine, sweep_id)
+    public = sweeps.sweep_public(engine, sweep_id, (sweep, runs))
     public.points, public.fill_vs_prefill = sweep_points(engine, list(sweep.grid), runs)
     return public
 

@@ -61,9 +61,10 @@ class Interval:
         return [self.lo, self.hi]
 
 
-# Bins of the sorted pooled values (below) and the most cells of the group-by-bin table.
+# Bins of the sorted pooled values (below) and the most cells of the group-by-bin table
+# (8 bytes each: 8 MB; a resample's work is about groups x bins, so fewer is faster too).
 MAX_BINS = 2048
-MAX_TABLE = 4_000_000
+MAX_TABLE = 1_000_000
 
 
 class _PooledQuantile:
@@ -81,20 +82,26 @@ class _PooledQuantile:
     def __init__(self, groups: Sequence[np.ndarray], q: float) -> None:
         self.q = q
         self.n_groups = len(groups)
-        self.sizes = np.array([g.size for g in groups], dtype=np.float64)
+        sizes = [g.size for g in groups]
+        self.sizes = np.array(sizes, dtype=np.float64)
+        # Pooled values run to millions (every gap of a long run): each temporary is let go
+        # as soon as it is used, and groups are numbered in 32 bits.
         values = np.concatenate(groups)
-        owner = np.repeat(np.arange(self.n_groups), [g.size for g in groups])
         order = np.argsort(values, kind="stable")
-        self.values, self.owner = values[order], owner[order]
-        n = values.size
+        self.values = values[order]
+        del values
+        self.owner = np.repeat(np.arange(self.n_groups, dtype=np.int32), sizes)[order]
+        del order
+        n = self.values.size
         n_bins = max(1, min(n, MAX_BINS, MAX_TABLE // self.n_groups))
         self.starts = np.linspace(0, n, n_bins + 1).astype(np.int64)
         lengths = np.diff(self.starts)
         self.width = int(lengths.max())
-        bin_of = np.repeat(np.arange(n_bins), lengths)
-        self.table = np.bincount(self.owner * n_bins + bin_of,
-                                 minlength=self.n_groups * n_bins).reshape(self.n_groups, n_bins)
-        self.table = self.table.astype(np.float64)
+        # Bin by bin (a bin is a run of consecutive sorted values): no array as long as the values.
+        self.table = np.empty((self.n_groups, n_bins), dtype=np.float64)
+        for b in range(n_bins):
+            self.table[:, b] = np.bincount(self.owner[self.starts[b]:self.starts[b + 1]],
+                                           minlength=self.n_groups)
 
     def value(self) -> float:
         return float(np.quantile(self.values, self.q))
@@ -136,7 +143,8 @@ class _PooledQuantile:
 
 def _groups(groups: Sequence[Sequence[float] | np.ndarray]) -> list[np.ndarray]:
     arrays = [np.asarray(g, dtype=np.float64).ravel() for g in groups]
-    return [a[np.isfinite(a)] for a in arrays if a.size]
+    # A copy only of a group with a value to drop.
+    return [a if (finite := np.isfinite(a)).all() else a[finite] for a in arrays if a.size]
 
 
 def pooled_quantile_ci(groups: Sequence[Sequence[float] | np.ndarray], q: float,

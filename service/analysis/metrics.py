@@ -38,7 +38,7 @@ Beyond vLLM's keys:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 
 import numpy as np
@@ -125,24 +125,40 @@ def _token_times(s: Sample) -> np.ndarray:
     return np.cumsum(np.array([s.start_time + s.ttft, *s.itl], dtype=np.float64))
 
 
-def steady_gaps(samples: Sequence[Sample], min_decoding: int = 0) -> list[np.ndarray]:
-    """Per successful request (in order), its gaps during which no request of the run was
-    waiting for its first token (seconds). With ``min_decoding``, only gaps throughout which
-    at least that many requests were decoding (first token seen, last not yet): the batch
-    size a point asks for (costs requests x gaps; for analysis, not for every summary)."""
-    ok = [s for s in samples if s.success]
-    if not ok:
-        return []
-    windows = sorted((s.start_time, s.start_time + s.ttft) for s in ok)
+Waits = tuple[np.ndarray, np.ndarray]
+
+
+def wait_windows(start_times: Sequence[float], ttfts: Sequence[float]) -> Waits:
+    """The times some request of a run waited for its first token (``start`` to ``start +
+    ttft`` of each successful request), merged into disjoint, sorted intervals: their
+    starts and ends."""
+    windows = sorted((lo, lo + ttft) for lo, ttft in zip(start_times, ttfts, strict=True))
     starts: list[float] = []
     ends: list[float] = []
-    for lo, hi in windows:  # merge overlapping waits into disjoint, sorted intervals
+    for lo, hi in windows:
         if ends and lo <= ends[-1]:
             ends[-1] = max(ends[-1], hi)
         else:
             starts.append(lo)
             ends.append(hi)
-    w_start, w_end = np.asarray(starts), np.asarray(ends)
+    return np.asarray(starts), np.asarray(ends)
+
+
+def steady_gaps(samples: Sequence[Sample], min_decoding: int = 0,
+                waits: Waits | None = None) -> list[np.ndarray]:
+    """Per successful request (in order), its gaps during which no request of the run was
+    waiting for its first token (seconds). With ``min_decoding``, only gaps throughout which
+    at least that many requests were decoding (first token seen, last not yet): the batch
+    size a point asks for (costs requests x gaps; for analysis, not for every summary).
+
+    ``waits``: the run's ``wait_windows``, when ``samples`` is a slice of the run (then
+    without ``min_decoding``, which needs every request)."""
+    ok = [s for s in samples if s.success]
+    if not ok:
+        return []
+    if waits is None:
+        waits = wait_windows([s.start_time for s in ok], [s.ttft for s in ok])
+    w_start, w_end = waits
     all_times = [_token_times(s) for s in ok]
     first = np.array([t[0] for t in all_times])
     last = np.array([t[-1] for t in all_times])
@@ -265,6 +281,31 @@ def _request_rate(value: object) -> object:
     return value
 
 
+def _queue_time(s: Sample) -> float:
+    return s.start_time - s.due_time if s.due_time is not None else 0.0
+
+
+# The per-request lists of vLLM's result file, in its order: each a field of every sample,
+# or a value made from every sample.
+VLLM_REQUEST_LISTS: tuple[tuple[str, str | Callable[[Sample], object]], ...] = (
+    ("input_lens", "prompt_len"),
+    ("output_lens", Sample.counted_output_tokens),
+    ("ttfts", "ttft"),
+    ("itls", "itl"),
+    ("latencies", "latency"),
+    ("start_times", "start_time"),
+    ("queue_times", _queue_time),
+    ("generated_texts", "generated_text"),
+    ("errors", "error"),
+)
+
+
+def request_value(sample: Sample, made: str | Callable[[Sample], object]) -> object:
+    """One sample's entry in a list of ``VLLM_REQUEST_LISTS``."""
+    value = getattr(sample, made) if isinstance(made, str) else made(sample)
+    return list(value) if isinstance(value, list) else value
+
+
 def export_vllm(
     summary: Mapping[str, object], samples: Sequence[Sample], spec_info: Mapping[str, object]
 ) -> dict[str, object]:
@@ -279,6 +320,15 @@ def export_vllm(
     the scheduled time and the POST (0 where no schedule time was kept).
     """
     ordered = sorted(samples, key=lambda s: s.index)
+    lists = {key: [request_value(s, made) for s in ordered] for key, made in VLLM_REQUEST_LISTS}
+    return vllm_result(summary, spec_info, lists, len(ordered))
+
+
+def vllm_result(summary: Mapping[str, object], spec_info: Mapping[str, object],
+                lists: Mapping[str, object], requests: int) -> dict[str, object]:
+    """``export_vllm``'s dict with ``lists`` under the keys of ``VLLM_REQUEST_LISTS``
+    (the lists, or what stands for them in a writer that streams them); ``requests``: how
+    many samples the run has."""
     backend = spec_info.get("backend", "openai")
     result: dict[str, object] = {
         "date": spec_info.get("date") or datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -287,7 +337,7 @@ def export_vllm(
         "label": spec_info.get("label"),
         "model_id": spec_info.get("model"),
         "tokenizer_id": spec_info.get("tokenizer", spec_info.get("model")),
-        "num_prompts": spec_info.get("num_prompts", len(ordered)),
+        "num_prompts": spec_info.get("num_prompts", requests),
     }
     metadata = spec_info.get("metadata")
     if isinstance(metadata, Mapping):
@@ -302,18 +352,8 @@ def export_vllm(
         "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
     ):
         result[key] = summary.get(key)
+    result.update({key: lists[key] for key, _ in VLLM_REQUEST_LISTS})
     result.update({
-        "input_lens": [s.prompt_len for s in ordered],
-        "output_lens": [s.counted_output_tokens() for s in ordered],
-        "ttfts": [s.ttft for s in ordered],
-        "itls": [list(s.itl) for s in ordered],
-        "latencies": [s.latency for s in ordered],
-        "start_times": [s.start_time for s in ordered],
-        "queue_times": [
-            s.start_time - s.due_time if s.due_time is not None else 0.0 for s in ordered
-        ],
-        "generated_texts": [s.generated_text for s in ordered],
-        "errors": [s.error for s in ordered],
         "max_output_tokens_per_s": summary.get("max_output_tokens_per_s"),
         "max_concurrent_requests": summary.get("max_concurrent_requests"),
         # Real-time factor of audio benchmarks; always 0 for text, as in vLLM.
@@ -329,12 +369,13 @@ def export_vllm(
 INTERVAL_QUANTILES: tuple[tuple[str, float], ...] = (("median", 0.5), ("p99", 0.99))
 
 
-def request_values(samples: Sequence[Sample]) -> dict[str, list[np.ndarray]]:
+def request_values(samples: Sequence[Sample], waits: Waits | None = None) -> dict[str, list[np.ndarray]]:
     """Per successful request, in seconds, the values each latency statistic pools:
     ``ttft``, ``tpot``, ``e2el`` (one value per request), ``itl`` (its gaps) and
-    ``decode_itl`` / ``decode_tpot`` (its steady-window gaps, and their mean)."""
+    ``decode_itl`` / ``decode_tpot`` (its steady-window gaps, and their mean). ``waits``:
+    the run's ``wait_windows`` when ``samples`` is a slice of it."""
     ok = [s for s in samples if s.success]
-    steady = steady_gaps(ok)
+    steady = steady_gaps(ok, waits=waits)
     return {
         "ttft": [np.array([s.ttft]) for s in ok],
         "tpot": [np.array([t]) for s in ok if (t := s.tpot()) is not None],

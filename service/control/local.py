@@ -43,9 +43,9 @@ from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
 from service.settings import Settings
-from service.storage import store
-from service.storage.store import hash_token
+from service.storage import workers
 from service.storage.tables import Worker
+from service.storage.workers import hash_token
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class LocalServers:
             chosen = binding_env(spec.engine.tensor_parallel_size, os.environ)
             env.update(chosen)
             cpu_binding = {"env": chosen}
-        await asyncio.to_thread(store.add_worker, self.engine, Worker(
+        await asyncio.to_thread(workers.add_worker, self.engine, Worker(
             id=worker_id,
             key=spec.worker_key(),
             model=spec.model,
@@ -154,14 +154,14 @@ class LocalServers:
         hold(handle)
         self.tokens[worker_id] = token
         try:
-            await asyncio.to_thread(store.update_worker, self.engine, worker_id, pid=process.pid)
+            await asyncio.to_thread(workers.update_worker, self.engine, worker_id, pid=process.pid)
             await self._wait_healthy(handle)
             handle.kv_tokens = await kv_capacity(self.client, handle.url)
             if cpu_binding is not None:
                 # What vLLM made of the variables, as its worker logged it while starting.
                 cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
                 handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
-            await asyncio.to_thread(store.update_worker, self.engine, worker_id, status="ready",
+            await asyncio.to_thread(workers.update_worker, self.engine, worker_id, status="ready",
                                     ready_at=utcnow(), kv_tokens=handle.kv_tokens,
                                     cpu_binding=cpu_binding)
         except BaseException as exc:
@@ -202,7 +202,7 @@ class LocalServers:
         assert handle.process is not None, "only started workers are stopped here"
         self.tokens.pop(handle.id, None)
         await asyncio.to_thread(stop_process_group, handle.process, self.settings.worker_stop_grace_s)
-        await asyncio.to_thread(store.update_worker, self.engine, handle.id, status=status,
+        await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status=status,
                                 stopped_at=utcnow(), error=error)
         log.info("worker %s %s", handle.id, status)
 
@@ -213,7 +213,7 @@ class LocalServers:
 
         def bury(process: subprocess.Popen[bytes]) -> None:
             stop_process_group(process, 0)
-            store.update_worker(self.engine, handle.id, status="failed", stopped_at=utcnow(), error=error)
+            workers.update_worker(self.engine, handle.id, status="failed", stopped_at=utcnow(), error=error)
 
         await asyncio.to_thread(bury, handle.process)
 
@@ -221,12 +221,12 @@ class LocalServers:
         """After a crash: stop process groups of workers a previous service left behind.
         Blocking (database and process work): call it from a thread."""
         stopped = 0
-        for worker in store.local_workers_alive(self.engine):
+        for worker in workers.local_workers_alive(self.engine):
             if worker.pid is not None and is_our_worker(worker.pid, worker.id):
                 log.warning("stopping orphaned worker %s (pid %s)", worker.id, worker.pid)
                 kill_group(worker.pid, self.settings.worker_stop_grace_s)
                 stopped += 1
-            store.update_worker(self.engine, worker.id, status="stopped", stopped_at=utcnow(),
+            workers.update_worker(self.engine, worker.id, status="stopped", stopped_at=utcnow(),
                                 error="service restarted; worker stopped")
         return stopped
 

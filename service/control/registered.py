@@ -19,9 +19,9 @@ from service.control.vllm_cli import kv_capacity
 from service.core.ids import new_id, utcnow
 from service.core.servers import WorkerRegister
 from service.core.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE
-from service.storage import store
-from service.storage.store import hash_token
+from service.storage import workers
 from service.storage.tables import Worker
+from service.storage.workers import hash_token
 from service.web.errors import Conflict, NotFound, shown
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class RegisteredServers:
         Returns its row and its worker token (the only time the token is seen)."""
         self._check_url_free(body.url)
         token = body.token or secrets.token_urlsafe(32)
-        if await asyncio.to_thread(store.worker_by_token, self.engine, token) is not None:
+        if await asyncio.to_thread(workers.worker_by_token, self.engine, token) is not None:
             raise Conflict("that token is already in use by another worker; choose another")
         # Another registration of the same URL may have got in while the lookup ran.
         self._check_url_free(body.url)
@@ -71,7 +71,7 @@ class RegisteredServers:
         # Placed before the write, so that no second registration of the URL gets in.
         self.workers[worker.id] = self._registered_handle(worker)
         try:
-            await asyncio.to_thread(store.add_worker, self.engine, worker)
+            await asyncio.to_thread(workers.add_worker, self.engine, worker)
         except BaseException:
             self.workers.pop(worker.id, None)
             raise
@@ -87,7 +87,7 @@ class RegisteredServers:
 
     async def load_registered(self) -> int:
         """On start: take back the registered servers, unavailable until a probe passes."""
-        rows = await asyncio.to_thread(store.take_back_registered, self.engine)
+        rows = await asyncio.to_thread(workers.take_back_registered, self.engine)
         for worker in rows:
             self.workers[worker.id] = self._registered_handle(worker)
         return len(rows)
@@ -96,7 +96,7 @@ class RegisteredServers:
         """Forget a registered server: it takes no more runs and its token stops working."""
         handle = self.workers.get(worker_id)
         if handle is None:
-            row = await asyncio.to_thread(store.get_worker, self.engine, worker_id)
+            row = await asyncio.to_thread(workers.get_worker, self.engine, worker_id)
             if row is None or not row.external or row.status == "removed":
                 raise NotFound(f"no registered worker {shown(worker_id)}")
             raise Conflict(f"worker {worker_id} is not registered any more")
@@ -108,7 +108,7 @@ class RegisteredServers:
         if handle.busy_run is not None:
             raise Conflict(f"worker {worker_id} is serving run {handle.busy_run}; cancel that run first")
         del self.workers[worker_id]
-        await asyncio.to_thread(store.update_worker, self.engine, worker_id, status="removed",
+        await asyncio.to_thread(workers.update_worker, self.engine, worker_id, status="removed",
                                 stopped_at=utcnow(), error=None)
         log.info("removed registered worker %s", worker_id)
 
@@ -116,7 +116,7 @@ class RegisteredServers:
         """A registered server stopped answering: no runs go to it until a probe passes."""
         handle.ready = False
         if handle.id in self.workers:
-            await asyncio.to_thread(store.update_worker, self.engine, handle.id, status="unavailable",
+            await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status="unavailable",
                                     error=error)
 
     async def probe(self, handle: WorkerHandle) -> bool:
@@ -149,7 +149,7 @@ class RegisteredServers:
         if handle.ready:
             if time.monotonic() - handle.seen_written > LAST_SEEN_EVERY_S:
                 handle.seen_written = time.monotonic()
-                await asyncio.to_thread(store.update_worker, self.engine, handle.id, last_seen_at=now)
+                await asyncio.to_thread(workers.update_worker, self.engine, handle.id, last_seen_at=now)
             return False
         if handle.kv_tokens is None:
             handle.kv_tokens = await kv_capacity(self.client, handle.url)
@@ -157,7 +157,7 @@ class RegisteredServers:
                 return False
         handle.ready = True
         handle.seen_written = time.monotonic()
-        await asyncio.to_thread(store.update_worker, self.engine, handle.id, status="ready",
+        await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status="ready",
                                 ready_at=now, last_seen_at=now, error=None, kv_tokens=handle.kv_tokens)
         log.info("worker %s at %s answers; ready", handle.id, handle.url)
         return True

@@ -47,7 +47,7 @@ from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import RunStatus
 from service.load.shards import DriverError
 from service.settings import Settings
-from service.storage import store
+from service.storage import measurements, store, workers
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,9 @@ class Runner:
 
             def save() -> None:
                 if new:
-                    store.save_samples(self.engine, self.run_id, new)
+                    measurements.save_samples(self.engine, self.run_id, new)
                 if points:
-                    store.save_server_points(self.engine, self.run_id, points)
+                    measurements.save_server_points(self.engine, self.run_id, points)
                 store.update_fields(self.engine, self.run_id, completed=ok, failed=failed)
 
             await asyncio.to_thread(save)
@@ -200,7 +200,7 @@ class Runner:
 
     async def _run(self) -> None:
         handle = self.handle = await self._server()
-        await asyncio.to_thread(store.count_worker_run, self.engine, handle.id)
+        await asyncio.to_thread(workers.count_worker_run, self.engine, handle.id)
         # The worker id goes in before the first request: the connector's
         # pull is only answered for runs assigned to the asking worker.
         await asyncio.to_thread(store.update_fields, self.engine, self.run_id, worker_id=handle.id,

@@ -20,7 +20,19 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Column, Connection, Engine, MetaData, Table, bindparam, event, inspect, select, update
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    MetaData,
+    Table,
+    bindparam,
+    event,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlmodel import Session, create_engine
 
 from service.core.spec import point_key
@@ -30,7 +42,7 @@ log = logging.getLogger(__name__)
 BUSY_TIMEOUT_MS = 30_000
 # One connection for every thread that may hold one at once, so that no thread waits for
 # a connection while holding none: FastAPI's threadpool (sync routes and dependencies)
-# and the event loop's executor (``asyncio.to_thread``: the scheduler, runner, launcher
+# and the event loop's executor (``asyncio.to_thread``: the scheduler, runner, fleet
 # and async routes). ``service.app`` sizes both to these.
 THREADPOOL_THREADS = 40
 LOOP_EXECUTOR_THREADS = 8
@@ -233,3 +245,9 @@ def write_session(engine: Engine) -> Iterator[Session]:
     with Session(engine.execution_options(sqlite_begin="IMMEDIATE"), expire_on_commit=False) as session:
         yield session
         session.commit()
+
+
+def ping(engine: Engine) -> None:
+    """Ask the database one trivial question; raises what the driver raises when it cannot answer."""
+    with Session(engine) as session:
+        session.connection().execute(text("SELECT 1"))

@@ -17,7 +17,7 @@ from typing import Literal
 from fastapi import Request
 from itsdangerous import BadSignature, SignatureExpired, TimestampSigner
 
-from service.storage import store
+from service.storage import workers
 from service.storage.tables import Worker
 from service.web.errors import Forbidden, LoginRequired, Unauthorized
 
@@ -96,7 +96,7 @@ def require_worker(request: Request) -> Worker:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized("a worker bearer token is required")
-    worker = store.worker_by_token(request.app.state.engine, token.strip())
+    worker = workers.worker_by_token(request.app.state.engine, token.strip())
     if worker is None:
         raise Unauthorized("unknown worker token")
     # A registered server that missed a probe is still the same server: its pulls go on.
@@ -112,7 +112,7 @@ def require_admin(request: Request) -> None:
         # A bearer token is judged on its own, whatever cookie comes with it.
         if is_admin(request, token):
             return
-        if store.worker_by_token(request.app.state.engine, token) is not None:
+        if workers.worker_by_token(request.app.state.engine, token) is not None:
             raise Forbidden("a worker token may only call the connector endpoints")
         raise Unauthorized("wrong API token")
     state = session_state(request)

@@ -1,14 +1,15 @@
 """FastAPI dependencies shared by the API and the pages: the app's database engine and
-scheduler."""
+scheduler, and who may call a route."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from sqlalchemy import Engine
 
 from service.control.queue import Scheduler
+from service.web.auth import require_admin, require_reader
 
 
 def get_engine(request: Request) -> Engine:
@@ -25,3 +26,6 @@ def get_scheduler(request: Request) -> Scheduler:
 
 DB = Annotated[Engine, Depends(get_engine)]
 Sched = Annotated[Scheduler, Depends(get_scheduler)]
+# A route's ``dependencies``: callers with the API token, or any reader.
+ADMIN: list[Any] = [Depends(require_admin)]
+READ: list[Any] = [Depends(require_reader)]

@@ -11,13 +11,12 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
-from sqlalchemy import Engine, func
-from sqlmodel import Session, select
+from sqlalchemy import Engine
 from starlette.datastructures import State
 
 from service.control.queue import Scheduler
 from service.core.status import RunStatus
-from service.storage.tables import Run, Worker
+from service.storage import store, workers
 
 
 class ServiceCollector:
@@ -29,12 +28,9 @@ class ServiceCollector:
 
     def collect(self) -> Iterator[Metric]:
         """The metrics as they stand now (called by the registry at every scrape)."""
-        with Session(self.engine) as session:
-            runs = dict(session.exec(select(Run.status, func.count()).group_by(Run.status)).all())
-            workers = dict(
-                session.exec(select(Worker.status, func.count()).group_by(Worker.status)).all()
-            )
-            pulls = session.exec(select(func.coalesce(func.sum(Run.connector_pulls), 0))).one()
+        runs = store.run_counts(self.engine)
+        by_status = workers.worker_counts(self.engine)
+        pulls = store.connector_pulls(self.engine)
         by_run = GaugeMetricFamily("decodebench_runs", "Runs by status.", labels=["status"])
         # Every status, 0 included: a series that vanishes reads as "no data", not 0.
         for status in RunStatus:
@@ -43,7 +39,7 @@ class ServiceCollector:
         by_worker = GaugeMetricFamily(
             "decodebench_workers", "Workers by status.", labels=["status"]
         )
-        for name, count in sorted(workers.items()):
+        for name, count in sorted(by_status.items()):
             by_worker.add_metric([name], count)
         yield by_worker
         yield CounterMetricFamily(

@@ -38,7 +38,7 @@ from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.core.sweep import SweepCreate
-from service.storage import store
+from service.storage import measurements, store, sweeps, workers
 from service.storage.db import make_engine
 from service.storage.tables import Worker
 
@@ -62,7 +62,7 @@ def finish(engine: Engine, run_id: str, worker_id: str, data: list[Sample]) -> N
     """Take a queued run through starting and running to succeeded, with its samples."""
     store.transition(engine, run_id, RunStatus.starting, worker_id=worker_id, started_at=utcnow())
     store.transition(engine, run_id, RunStatus.running)
-    store.save_samples(engine, run_id, data)
+    measurements.save_samples(engine, run_id, data)
     ok = sum(s.success for s in data)
     store.update_fields(engine, run_id, completed=ok, failed=len(data) - ok,
                         summary=summarize(data, duration=1.0))
@@ -96,8 +96,8 @@ def common_rows(engine: Engine, worker_id: str) -> dict[str, str]:
     store.transition(engine, runs["cancelled"], RunStatus.cancelled)
 
     body = {"base": SPEC, "grid": {"input_len": [32, 64]}}
-    sweep = store.create_sweep(engine, SweepCreate.model_validate_json(json.dumps(body)))
-    _, swept = store.get_sweep(engine, sweep.id)
+    sweep = sweeps.create_sweep(engine, SweepCreate.model_validate_json(json.dumps(body)))
+    _, swept = sweeps.get_sweep(engine, sweep.id)
     finish(engine, swept[0].id, worker_id, samples(4))
     return runs
 
@@ -112,9 +112,9 @@ def make_today(engine: Engine) -> None:
                       engine=RunSpec().engine.model_dump(), url="http://127.0.0.1:9", port=9,
                       status="ready", token_hash="1" * 64, log_path="", external=True,
                       vocab_size=32000, last_seen_at=utcnow())
-    store.add_worker(engine, external)
+    workers.add_worker(engine, external)
     runs = common_rows(engine, worker_id)
-    store.save_server_points(engine, runs["succeeded"], [
+    measurements.save_server_points(engine, runs["succeeded"], [
         (0.0, {"vllm:num_requests_running": 0.0, "vllm:num_preemptions_total": 0.0}),
         (0.5, {"vllm:num_requests_running": 2.0, "vllm:num_preemptions_total": 1.0}),
     ])
@@ -132,7 +132,7 @@ def make_early(engine: Engine) -> None:
     runs = common_rows(engine, worker_id)
     twice = samples(6)[2]
     twice.ttft = 99.0  # the later copy: the upgrade keeps the first one
-    store.save_samples(engine, runs["succeeded"], [twice])
+    measurements.save_samples(engine, runs["succeeded"], [twice])
 
 
 def main() -> None:

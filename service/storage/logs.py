@@ -1,0 +1,56 @@
+"""Log files in the data dir's ``logs`` folder, and how long they are kept.
+
+A run's driver logs (``{run_id}.driver{shard}.log``, written by ``service.load.driver``) are
+the run's: they go when the run is deleted. A worker's log (``{worker_id}.log`` and its
+rotated copy ``.log.1``, written by ``service.control.local``) is kept while the worker lives
+and, once it has ended, while it is among the last ``keep`` workers to end (the index page
+lists the last of them with their reasons); older ones are deleted. A path outside the logs
+folder (a database carried over from another data dir) is never touched.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+from pathlib import Path
+
+from sqlalchemy import Engine
+
+from service.storage import workers
+
+log = logging.getLogger(__name__)
+
+
+def run_files(logs_dir: Path, run_id: str) -> list[Path]:
+    """The files kept for one run: its driver logs."""
+    return sorted(logs_dir.glob(f"{glob.escape(run_id)}.driver*.log"))
+
+
+def delete_run_files(logs_dir: Path, run_id: str) -> list[Path]:
+    """Delete the files kept for one run; returns those deleted."""
+    removed = []
+    for path in run_files(logs_dir, run_id):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
+
+
+def prune_worker_logs(engine: Engine, logs_dir: Path, keep: int) -> list[Path]:
+    """Delete the logs of ended workers but for the ``keep`` that ended last; never the log
+    of a worker that has not ended. Returns the files deleted."""
+    live = workers.live_log_paths(engine)
+    removed = []
+    for name in workers.ended_log_paths(engine, keep):
+        if name in live or not _inside(Path(name), logs_dir):
+            continue
+        for path in (Path(name), Path(name + ".1")):
+            if path.exists():
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    if removed:
+        log.info("deleted %d log files of workers that ended before the last %d", len(removed), keep)
+    return removed

@@ -1,0 +1,97 @@
+"""Reads and writes of sweeps: a grid of runs over one base spec."""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, func
+from sqlmodel import Session, col, select
+
+from service.core.ids import new_id
+from service.core.status import FINISHED, RunStatus
+from service.core.sweep import SweepCreate
+from service.storage.db import write_session
+from service.storage.store import queue_in_order, trial_runs
+from service.storage.tables import Run, Sweep
+from service.web.errors import Invalid, NotFound, shown
+from service.web.schemas import RunPublic, SweepPublic
+
+
+def create_sweep(engine: Engine, body: SweepCreate) -> Sweep:
+    """Insert a sweep and one queued run per grid point, all or nothing."""
+    try:
+        points = body.points()
+    except ValueError as exc:
+        raise Invalid(str(exc)) from exc
+    sweep = Sweep(id=new_id("s"), base=body.base.model_dump(), grid=body.grid.axes())
+    per_point = [trial_runs(spec, sweep.id) for _, spec in points]
+    # Trial by trial across the points (A B C A B C): drift over time spreads over every
+    # point instead of landing on one.
+    runs = [trials[k] for k in range(body.base.repeats) for trials in per_point]
+    queue_in_order(runs)
+    with write_session(engine) as session:
+        session.add(sweep)
+        session.add_all(runs)
+    return sweep
+
+
+def get_sweep(engine: Engine, sweep_id: str) -> tuple[Sweep, list[Run]]:
+    """A sweep and its runs, in grid order; or NotFound."""
+    with Session(engine) as session:
+        sweep = session.get(Sweep, sweep_id)
+        if sweep is None:
+            raise NotFound(f"sweep {shown(sweep_id)} not found")
+        runs = session.exec(
+            select(Run).where(Run.sweep_id == sweep_id).order_by(col(Run.created_at), col(Run.id))
+        ).all()
+        return sweep, list(runs)
+
+
+def list_sweeps(engine: Engine, limit: int) -> list[tuple[Sweep, dict[str, int]]]:
+    """The newest sweeps with counts of their runs by status."""
+    with Session(engine) as session:
+        sweeps = session.exec(
+            select(Sweep).order_by(col(Sweep.created_at).desc()).limit(limit)
+        ).all()
+        out = []
+        for sweep in sweeps:
+            rows = session.exec(
+                select(Run.status, func.count()).where(Run.sweep_id == sweep.id).group_by(Run.status)
+            ).all()
+            counts = {status: int(n) for status, n in rows}
+            counts["total"] = sum(counts.values())
+            out.append((sweep, counts))
+        return out
+
+
+def sweep_page(engine: Engine, limit: int, offset: int) -> tuple[list[tuple[Sweep, dict[str, int]]], int]:
+    """A page of sweeps, newest first, each with the counts of its runs by status; and how
+    many sweeps there are."""
+    with Session(engine) as session:
+        sweeps = list(session.exec(
+            select(Sweep).order_by(col(Sweep.created_at).desc(), col(Sweep.id).desc())
+            .offset(offset).limit(limit)
+        ).all())
+        counts: dict[str, dict[str, int]] = {sweep.id: {} for sweep in sweeps}
+        if sweeps:
+            rows = session.exec(
+                select(Run.sweep_id, Run.status, func.count())
+                .where(col(Run.sweep_id).in_(list(counts))).group_by(Run.sweep_id, Run.status)
+            ).all()
+            for sweep_id, status, n in rows:
+                counts[str(sweep_id)][status] = int(n)
+        total = session.exec(select(func.count()).select_from(Sweep)).one()
+        return [(sweep, counts[sweep.id]) for sweep in sweeps], int(total)
+
+
+def sweep_public(engine: Engine, sweep_id: str,
+                 loaded: tuple[Sweep, list[Run]] | None = None) -> SweepPublic:
+    """A sweep with its runs and how far they got (``loaded``: what ``get_sweep`` gave)."""
+    sweep, runs = loaded or get_sweep(engine, sweep_id)
+    progress = {status.value: 0 for status in RunStatus}
+    for run in runs:
+        progress[run.status] += 1
+    progress["total"] = len(runs)
+    progress["finished"] = sum(progress[s.value] for s in FINISHED)
+    progress["infeasible"] = sum(bool(r.error and r.error.startswith("infeasible")) for r in runs)
+    return SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
+                       progress=progress, runs=[RunPublic.of(r) for r in runs],
+                       repeats=int(sweep.base.get("repeats", 1)))

@@ -1,0 +1,11 @@
+"""The REST API under /api, plus /healthz and /metrics: one module of routes per concept."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.web.api import compare, connector, exports, health, runs, sweeps, workers
+
+router = APIRouter()
+for part in (runs, exports, sweeps, compare, workers, connector, health):
+    router.include_router(part.router)

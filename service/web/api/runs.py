@@ -1,0 +1,183 @@
+"""Runs: submit, list, read, cancel and delete them; their samples a page at a time and the
+scrapes of their server."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from sqlalchemy import Engine
+
+from service.analysis import server_metrics
+from service.control import hub
+from service.control.queue import Scheduler
+from service.core.sample import Sample
+from service.core.spec import RunSpec
+from service.core.status import FINISHED, RunStatus
+from service.storage import logs, measurements, store, workers
+from service.web.deps import ADMIN, DB, READ, Sched
+from service.web.errors import ERROR_RESPONSES, Conflict, ErrorBody, Invalid
+from service.web.schemas import (
+    RunList,
+    RunPublic,
+    ServerMetricsPublic,
+    ServerMetricsSummary,
+    ServerPointPublic,
+)
+
+log = logging.getLogger(__name__)
+
+# How long a cancel waits for the run's runner to end it (it stops its drivers and saves).
+CANCEL_WAIT_S = 30.0
+router = APIRouter(responses=ERROR_RESPONSES)
+
+# Samples per page of ``GET /api/runs/{id}/requests``: each holds its gaps and its text.
+REQUESTS_PAGE = 100
+REQUESTS_PAGE_MAX = 1000
+
+
+@router.post(
+    "/api/runs", status_code=201, response_model=RunPublic, dependencies=ADMIN,
+    responses={200: {"model": RunPublic, "description": "Same Idempotency-Key and body: that run"}},
+)
+def submit_run(
+    spec: RunSpec,
+    request: Request,
+    engine: DB,
+    scheduler: Sched,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> Any:
+    """Queue a benchmark run."""
+    check_model(request, engine, spec.model)
+    run, created = store.create_run(engine, spec, idempotency_key)
+    if created:
+        scheduler.notify()
+        return RunPublic.of(run)
+    return JSONResponse(RunPublic.of(run).model_dump(mode="json"), status_code=200)
+
+
+@router.get("/api/runs", response_model=RunList, dependencies=READ)
+def list_runs(
+    engine: DB,
+    status: RunStatus | None = None,
+    model: Annotated[str | None, Query(max_length=512)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> RunList:
+    """List runs, newest first."""
+    runs, total = store.list_runs(engine, status.value if status else None, model, limit, offset)
+    return RunList(runs=[RunPublic.of(r) for r in runs], total=total, limit=limit, offset=offset)
+
+
+def check_model(request: Request, engine: Engine, model: str) -> None:
+    """A 422 now for a model no worker could load (``service.control.hub``), rather than a failed
+    run once a worker was started for it; a model a registered server serves is its own."""
+    if any(w.external and w.model == model for w in workers.active_workers(engine)):
+        return
+    problem = hub.model_problem(model, request.app.state.settings.hub_check)
+    if problem is not None:
+        raise Invalid(problem)
+
+
+@router.get("/api/runs/{run_id}", response_model=RunPublic, dependencies=READ)
+def get_run(run_id: str, engine: DB) -> RunPublic:
+    """One run: spec, status, progress, summary, error."""
+    return RunPublic.of(store.get_run(engine, run_id))
+
+
+@router.delete(
+    "/api/runs/{run_id}", status_code=204, dependencies=ADMIN,
+    responses={204: {"description": "Deleted, with its samples and driver logs"},
+               409: {"model": ErrorBody, "description": "The run has not finished: cancel it first"}},
+)
+def delete_run(run_id: str, request: Request, engine: DB, scheduler: Sched) -> Response:
+    """Delete a finished run with its samples, server metrics, baseline mark and driver
+    logs; 409 while it is queued, starting or running (cancel it first)."""
+    run = store.get_run(engine, run_id)
+    if run.status in FINISHED and scheduler.handling(run_id):
+        raise Conflict(f"run {run_id} is {run.status} but still saving what it measured; "
+                       "delete it in a moment")
+    store.delete_run(engine, run_id)
+    removed = logs.delete_run_files(request.app.state.settings.logs_dir, run_id)
+    log.info("run %s deleted with %d log files", run_id, len(removed))
+    return Response(status_code=204)
+
+
+@router.post("/api/runs/{run_id}/cancel", response_model=RunPublic, dependencies=ADMIN)
+def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
+    """Cancel a queued or running run; 409 if it already finished. A run being measured
+    stops sending, keeps what it measured and ends ``cancelled`` before the answer."""
+    run = store.get_run(engine, run_id)
+    if run.status in FINISHED:
+        raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
+    if not cancel_one(engine, scheduler, run_id, "cancelled by the user"):
+        run = store.get_run(engine, run_id)
+        raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
+    return RunPublic.of(store.get_run(engine, run.id))
+
+
+def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -> bool:
+    """Cancel one unfinished run: its runner's, once one has it (waited for, up to
+    ``CANCEL_WAIT_S``); else the guarded move from ``queued``. False when it had finished."""
+    for _ in range(3):
+        try:
+            if scheduler.cancel(run_id).result(timeout=CANCEL_WAIT_S):
+                return True
+        except TimeoutError:
+            return True  # its runner is still winding down; it ends ``cancelled``
+        if store.transition(engine, run_id, RunStatus.cancelled, error=reason):
+            return True
+        if store.get_run(engine, run_id).status in FINISHED:
+            return False
+        # Placed between the two looks: its runner has it now.
+    return False
+
+
+@router.get(
+    "/api/runs/{run_id}/requests", response_model=list[Sample], dependencies=READ,
+    responses={200: {"description": "One page of samples, by request index", "headers": {
+        "X-Total-Count": {"description": "How many samples the run has", "schema": {"type": "integer"}},
+        "Link": {"description": 'The next page, as `<url>; rel="next"`, while there is one',
+                 "schema": {"type": "string"}},
+    }}},
+)
+def get_requests(
+    run_id: str,
+    request: Request,
+    response: Response,
+    engine: DB,
+    limit: Annotated[int, Query(ge=1, le=REQUESTS_PAGE_MAX)] = REQUESTS_PAGE,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> list[Sample]:
+    """Raw per-request samples of a run (seconds, client clock), a page at a time by request
+    index: ``limit`` (100, at most 1000) from ``offset``. ``X-Total-Count`` says how many
+    there are; ``Link`` names the next page while there is one."""
+    store.get_run(engine, run_id)
+    total = measurements.count_samples(engine, run_id)
+    page = measurements.sample_page(engine, run_id, limit, offset)
+    response.headers["X-Total-Count"] = str(total)
+    if offset + len(page) < total:
+        after = request.url.include_query_params(limit=limit, offset=offset + len(page))
+        response.headers["Link"] = f'<{after.path}?{after.query}>; rel="next"'
+    return page
+
+
+@router.get("/api/runs/{run_id}/server-metrics", response_model=ServerMetricsPublic, dependencies=READ)
+def get_server_metrics(run_id: str, engine: DB) -> ServerMetricsPublic:
+    """What the run's vLLM server reported on its /metrics during the run (t: seconds since
+    the first scrape), with counter deltas and gauge max/mean."""
+    store.get_run(engine, run_id)
+    points = server_points(engine, run_id)
+    origin = points[0].t if points else 0.0
+    return ServerMetricsPublic(
+        run_id=run_id,
+        points=[ServerPointPublic(t=p.t - origin, values=p.values) for p in points],
+        summary=ServerMetricsSummary(**server_metrics.summarize(points)),
+    )
+
+
+def server_points(engine: Engine, run_id: str) -> list[server_metrics.Point]:
+    """A run's stored scrapes as ``server_metrics`` reads them."""
+    return [server_metrics.Point(**row) for row in measurements.server_points(engine, run_id)]

@@ -1,0 +1,83 @@
+"""Sweeps: a grid of runs over one base spec; their points and the table of them."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from service.analysis import comparison
+from service.core.sweep import SweepCreate
+from service.storage import sweeps
+from service.web.api.exports import csv_attachment
+from service.web.api.runs import check_model
+from service.web.deps import ADMIN, DB, READ, Sched
+from service.web.errors import ERROR_RESPONSES, Conflict
+from service.web.schemas import SweepList, SweepPublic, SweepSummary
+
+router = APIRouter(responses=ERROR_RESPONSES)
+
+
+@router.post("/api/sweeps", status_code=201, response_model=SweepPublic, dependencies=ADMIN)
+def submit_sweep(body: SweepCreate, request: Request, engine: DB, scheduler: Sched) -> SweepPublic:
+    """Queue one run per point of a grid over a base spec."""
+    check_model(request, engine, body.base.model)
+    sweep = sweeps.create_sweep(engine, body)
+    scheduler.notify()
+    return comparison.sweep_public(engine, sweep.id)
+
+
+@router.get("/api/sweeps", response_model=SweepList, dependencies=READ)
+def list_sweeps(
+    engine: DB,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> SweepList:
+    """List sweeps, newest first: what each varies, its points and its runs by status."""
+    page, total = sweeps.sweep_page(engine, limit, offset)
+    found = []
+    for sweep, counts in page:
+        points = math.prod(len(values) for values in sweep.grid.values())
+        found.append(SweepSummary(
+            id=sweep.id, created_at=sweep.created_at, model=str(sweep.base.get("model", "")),
+            grid_keys=list(sweep.grid), points=points, runs=sum(counts.values()),
+            repeats=int(sweep.base.get("repeats", 1)), status=counts,
+        ))
+    return SweepList(sweeps=found, total=total, limit=limit, offset=offset)
+
+
+@router.get("/api/sweeps/{sweep_id}", response_model=SweepPublic, dependencies=READ)
+def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
+    """A sweep: its grid, progress and runs; its points (trials grouped) with each figure's
+    95% interval; with a grid over ``mode``, fill against real prefill per point."""
+    return comparison.sweep_public(engine, sweep_id)
+
+
+@router.get(
+    "/api/sweeps/{sweep_id}/export", response_model=None, dependencies=READ,
+    responses={200: {"description": "the sweep's points as CSV, or as JSON {sweep, columns, rows}",
+                     "content": {"text/csv": {}, "application/json": {}}}},
+)
+def export_sweep(
+    sweep_id: str, engine: DB, format: Literal["csv", "json"] = "csv"
+) -> Response:
+    """The sweep's points as one table, one row per point with each figure's 95% interval: CSV or JSON."""
+    columns, rows = comparison.sweep_table(comparison.sweep_public(engine, sweep_id))
+    name = f"decodebench-{sweep_id}"
+    if format == "json":
+        return JSONResponse({"sweep": sweep_id, "columns": columns, "rows": rows},
+                            headers={"Content-Disposition": f'inline; filename="{name}.json"'})
+    return csv_attachment(name, columns, (
+        {k: "" if v is None else v for k, v in row.items()} for row in rows))
+
+
+@router.post("/api/sweeps/{sweep_id}/baseline", dependencies=ADMIN)
+def mark_sweep_baseline(sweep_id: str, engine: DB) -> list[dict[str, Any]]:
+    """Make every point of a sweep with a succeeded run the baseline of its point."""
+    _, runs = sweeps.get_sweep(engine, sweep_id)
+    arms = [a for a in comparison.arms_of(runs) if a.ok]
+    if not arms:
+        raise Conflict(f"sweep {sweep_id} has no succeeded run yet: nothing to mark")
+    return [comparison.mark_baseline(engine, a.id) for a in arms]

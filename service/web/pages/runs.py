@@ -1,0 +1,225 @@
+"""The runs: the index page (runs, sweeps and servers) and one run's page."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse
+from markupsafe import Markup
+from pydantic import ValidationError
+from sqlalchemy import Engine
+
+from service.analysis import comparison, server_metrics
+from service.control.procs import log_tail
+from service.core.protocol import connector_totals
+from service.core.spec import EngineSpec, effective_load_format, worker_key
+from service.core.status import FINISHED, RunStatus
+from service.storage import measurements, store, sweeps, workers
+from service.storage.tables import Run
+from service.web import charts
+from service.web.deps import DB
+from service.web.pages.render import PAGE, aware, between, failure_cause, spec_facts, templates
+
+router = APIRouter(dependencies=PAGE, include_in_schema=False)
+
+PAGE_SIZE = 50
+
+# Summary keys shown on a run's page, in groups, with their units.
+METRIC_GROUPS: list[tuple[str, list[str]]] = [
+    ("Throughput", ["request_throughput", "request_goodput", "output_throughput",
+                    "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests"]),
+    ("Counts", ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens"]),
+    # Gaps while no request waited for its first token: decode without other prefills (ms).
+    ("Decode only (steady window)", ["decode_median_tpot_ms", "decode_p99_tpot_ms",
+                                     "decode_median_itl_ms", "decode_p99_itl_ms", "decode_gaps"]),
+]
+LATENCIES = ["ttft", "tpot", "itl", "e2el"]
+STATS = ["mean", "median", "std", "p50", "p90", "p95", "p99"]
+LOG_LINE_CHARS = 400
+
+
+def starting_view(engine: Engine, run: Run) -> dict[str, Any] | None:
+    """While a run is ``starting``: the server being started for it, how long that has taken
+    against the last start of the same model (and engine, where one is known), and the last
+    line of its log."""
+    if run.status != RunStatus.starting.value:
+        return None
+    try:
+        key: str | None = worker_key(run.model, EngineSpec.model_validate(run.spec.get("engine", {})))
+    except ValidationError:
+        key = None
+    found = workers.workers_of_model(engine, run.model, 100)
+    current = next((w for w in found if w.status == "starting" and (key is None or w.key == key)),
+                   next((w for w in found if w.status == "starting"), None))
+    if current is None:
+        return {"worker": None}
+    earlier = [w for w in found if w.ready_at is not None and not w.external
+               and aware(w.created_at) < aware(current.created_at)]
+    last = next((w for w in earlier if w.key == current.key), earlier[0] if earlier else None)
+    line = log_tail(Path(current.log_path), 1)
+    return {
+        "worker": current,
+        "elapsed_s": between(current.created_at, datetime.now(UTC)),
+        "last_start_s": between(last.created_at, last.ready_at) if last else None,
+        "last_same_engine": last is not None and last.key == current.key,
+        "last_line": line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS - 1] + "…",
+    }
+
+
+# The ended servers the index page lists (their logs are kept: ``Settings.worker_logs_kept``).
+RECENT_ENDED_WORKERS = 10
+
+
+@router.get("/", response_class=HTMLResponse)
+def index(
+    request: Request,
+    engine: DB,
+    status: RunStatus | None = None,
+    model: Annotated[str | None, Query(max_length=512)] = None,
+    page: Annotated[int, Query(ge=1, le=100_000)] = 1,
+) -> HTMLResponse:
+    """The runs, newest first."""
+    runs, total = store.list_runs(
+        engine, status.value if status else None, model or None, PAGE_SIZE, (page - 1) * PAGE_SIZE
+    )
+    return templates.TemplateResponse(
+        request,
+        "index.html",
+        {
+            "runs": runs,
+            "total": total,
+            "page": page,
+            "pages": max(1, -(-total // PAGE_SIZE)),
+            "status": status.value if status else "",
+            "model": model or "",
+            "statuses": [s.value for s in RunStatus],
+            "sweeps": sweeps.list_sweeps(engine, 10) if page == 1 else [],
+            "workers": workers.active_workers(engine) if page == 1 else [],
+            "ended_workers": workers.ended_workers(engine, RECENT_ENDED_WORKERS) if page == 1 else [],
+        },
+    )
+
+
+@dataclass
+class Drawn:
+    """What a run's page draws from its samples, read a slice at a time without their texts."""
+
+    starts: list[float] = field(default_factory=list)  # every request's, for the server view
+    latencies: list[float] = field(default_factory=list)
+    ok_starts: list[float] = field(default_factory=list)  # successful requests'
+    ok_latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tpots: list[float] = field(default_factory=list)
+    gaps: np.ndarray = field(default_factory=lambda: np.empty(0))  # every gap of a successful one
+
+
+def drawn(engine: Engine, run_id: str) -> Drawn:
+    """The values a run's charts are drawn from (seconds)."""
+    out = Drawn()
+    chunks = []
+    for found in measurements.sample_slices(engine, run_id):
+        slice_gaps = []
+        for s in found:
+            out.starts.append(s.start_time)
+            out.latencies.append(s.latency)
+            if not s.success:
+                continue
+            out.ok_starts.append(s.start_time)
+            out.ok_latencies.append(s.latency)
+            out.ttfts.append(s.ttft)
+            if (t := s.tpot()) is not None:
+                out.tpots.append(t)
+            slice_gaps.append(np.asarray(s.itl, dtype=np.float64))
+        if slice_gaps:
+            chunks.append(np.concatenate(slice_gaps))
+    if chunks:
+        out.gaps = np.concatenate(chunks)
+    return out
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse)
+def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
+    """One run: its spec, status, and every summary number."""
+    run = store.get_run(engine, run_id)
+    values = drawn(engine, run_id)
+    origin = min(values.ok_starts, default=0.0)
+    chart_list = [
+        charts.histogram(np.asarray(values.tpots) * 1000, "TPOT per request", "TPOT (ms)", "requests"),
+        charts.histogram(values.gaps * 1000, "Inter-token latency", "ITL (ms)", "gaps"),
+        charts.scatter([(t - origin, ttft * 1000)
+                        for t, ttft in zip(values.ok_starts, values.ttfts, strict=True)],
+                       "TTFT over the run", "request start (s)", "TTFT (ms)"),
+    ]
+    # The most successful requests open at one instant (``metrics.peak_in_flight``).
+    _, in_flight = server_metrics.in_flight(values.ok_starts, values.ok_latencies)
+    worker = workers.get_worker(engine, run.worker_id) if run.worker_id else None
+    group = store.arm_runs(engine, run.group_id) if run.group_id else []
+    baseline = comparison.against_baseline(engine, run) if run.status in FINISHED else None
+    # From the stored spec as it is: runs from before load_format existed loaded "auto".
+    load_format = effective_load_format(run.model, run.spec.get("engine", {}).get("load_format", "auto"))
+    cause, log_lines = failure_cause(run.error, run.model) if run.status == "failed" else ("", "")
+    ended = run.finished_at if run.finished_at else (datetime.now(UTC) if run.started_at else None)
+    return templates.TemplateResponse(
+        request,
+        "run.html",
+        {
+            "facts": spec_facts(run.spec),
+            "took_s": between(run.started_at, ended),
+            "cause": cause,
+            "log_lines": log_lines,
+            "starting": starting_view(engine, run),
+            "peak_in_flight": (int(in_flight.max()) if in_flight.size else 0) if values.starts else None,
+            "load_format": load_format,
+            "group": group,
+            "baseline": baseline,
+            "charts": chart_list,
+            "server_view": server_view(measurements.server_points(engine, run_id), values.starts,
+                                       values.latencies),
+            "worker": worker,
+            "worker_log_kept": bool(worker and worker.log_path and Path(worker.log_path).exists()),
+            "logs_kept": request.app.state.settings.worker_logs_kept,
+            "run": run,
+            "summary": run.summary or {},
+            "connector": connector_totals((run.connector or {}).get("ranks", {})),
+            "groups": METRIC_GROUPS,
+            "latencies": LATENCIES,
+            "stats": STATS,
+        },
+    )
+
+
+def server_view(points: Sequence[Mapping[str, Any]], start_times: Sequence[float],
+                latencies: Sequence[float]) -> Markup | None:
+    """The server's running/waiting requests and KV cache use next to the requests the client
+    had in flight, on one time line (seconds since the first request); None with no points.
+
+    ``points`` are stored scrapes, ``t`` on the samples' clock; ``start_times`` and
+    ``latencies`` of every request."""
+    if not points:
+        return None
+    starts = np.asarray(start_times, dtype=np.float64)
+    origin = float(starts.min()) if starts.size else float(points[0]["t"])
+
+    def gauge(name: str, scale: float = 1.0) -> list[tuple[float, float]]:
+        return [(p["t"] - origin, p["values"][name] * scale) for p in points if name in p["values"]]
+
+    times, counts = server_metrics.in_flight(starts, latencies)
+    return charts.timeline(
+        [
+            ("requests", {
+                "running (server)": gauge(server_metrics.RUNNING),
+                "waiting (server)": gauge(server_metrics.WAITING),
+                "in flight (client)": list(zip((times - origin).tolist(), counts.tolist(), strict=True)),
+            }),
+            ("KV cache used (%)", {"KV cache used (server)": gauge(server_metrics.KV_USAGE, 100.0)}),
+        ],
+        "Server view", "seconds since the run's first request",
+        sampled={"running (server)", "waiting (server)", "KV cache used (server)"},
+    )
+
