@@ -27,7 +27,7 @@ $(VENV)/.installed-$(EXTRA): pyproject.toml
 setup-dev: setup $(VENV)/.installed-dev
 
 $(VENV)/.installed-dev: pyproject.toml
-	$(EDITABLE) '.[$(EXTRA),dev]'
+	$(EDITABLE) '.[$(EXTRA),dev,ray]'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 

@@ -93,6 +93,25 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         yield c
 
 
+@pytest.fixture
+def stub_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., TestClient]]:
+    """Start a service (``env``: the stub knobs its next workers start with, for a worker
+    that misbehaves on purpose; ``settings``: the service's); stopped at the end."""
+    clients: list[TestClient] = []
+
+    def start(env: dict[str, str] | None = None, **settings: Any) -> TestClient:
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        client = make_client(tmp_path, **settings)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
 def wait_for(
     client: Any, run_id: str, done: Callable[[dict[str, Any]], bool], timeout: float = 120
 ) -> dict[str, Any]:

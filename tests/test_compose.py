@@ -97,7 +97,9 @@ def test_compose_cli_resolves_the_file_as_this_test_reads_it(profile: list[str])
     clis = [cli for cli in (["docker", "compose"], ["docker-compose"]) if shutil.which(cli[0])
             and subprocess.run([*cli, "version"], capture_output=True, timeout=30).returncode == 0]
     if not clis:
-        pytest.skip("no `docker compose` nor `docker-compose` (`make compose-tool`); the schema test ran")
+        # ``make test`` installs one (``make compose-tool``): a missing tool is a failure,
+        # not a skip, so CI never passes without this check.
+        pytest.fail("no `docker compose` nor `docker-compose`: run `make compose-tool`")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_", PREFIX))}
     done = subprocess.run([*clis[0], "-f", "docker/compose.yaml", *profile, "config"],
                           cwd=ROOT, env={**env, **HOST_ENV}, capture_output=True, text=True, timeout=60)

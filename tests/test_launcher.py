@@ -6,7 +6,8 @@ import os
 import threading
 from pathlib import Path
 
-from service.control.procs import drain_to_capped_file, log_tail
+from service.control.procs import drain_to_capped_file
+from service.storage.logs import log_tail
 
 
 def test_worker_output_is_drained_to_a_capped_file(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,31 +18,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import make_client, wait_finished, wait_for
+from tests.conftest import wait_finished, wait_for
 from tests.service_process import pid_alive
 
 TINY = {"input_len": 16, "output_len": 4, "num_prompts": 4, "max_concurrency": 2}
 # Slow enough (12 x 40 tokens x 20 ms, 2 at a time: about 5 s) to act on mid-run.
 SLOW = {"input_len": 16, "output_len": 40, "num_prompts": 12, "max_concurrency": 2}
 SLOW_ENV = {"STUB_TOKEN_INTERVAL_S": "0.02"}
-
-
-@pytest.fixture
-def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., TestClient]]:
-    """Start a service (``env``: the stub knobs its workers start with); stopped at the end."""
-    clients: list[TestClient] = []
-
-    def start(env: dict[str, str] | None = None, **settings: Any) -> TestClient:
-        for key, value in (env or {}).items():
-            monkeypatch.setenv(key, value)
-        client = make_client(tmp_path, **settings)
-        client.__enter__()
-        clients.append(client)
-        return client
-
-    yield start
-    for client in clients:
-        client.__exit__(None, None, None)
 
 
 def _samples(client: TestClient, run_id: str) -> list[dict[str, Any]]:
@@ -141,9 +123,9 @@ FAILURES = [
 
 @pytest.mark.parametrize("case", FAILURES)
 def test_a_run_that_cannot_succeed_fails_with_its_reason(
-    case: Case, service: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+    case: Case, stub_service: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client = service(case.env, **case.settings)
+    client = stub_service(case.env, **case.settings)
     run = client.post("/api/runs", json=case.spec).json()
     done = wait_finished(client, run["id"], timeout=60)
     assert done["status"] == "failed", done
@@ -183,9 +165,9 @@ def test_a_run_that_cannot_succeed_fails_with_its_reason(
 
 
 def test_a_model_directory_gone_before_the_start_fails_the_run_and_starts_no_worker(
-    service: Callable[..., TestClient], tmp_path: Path
+    stub_service: Callable[..., TestClient], tmp_path: Path
 ) -> None:
-    client = service(SLOW_ENV)
+    client = stub_service(SLOW_ENV)
     # A run holds the one CPU worker while the other waits behind it.
     blocker = client.post("/api/runs", json={**SLOW, "num_prompts": 200}).json()
     _measuring(client, blocker["id"], completed=1)
@@ -216,9 +198,9 @@ def test_a_model_directory_gone_before_the_start_fails_the_run_and_starts_no_wor
 
 
 def test_a_cancel_while_measured_keeps_the_samples_and_the_worker(
-    service: Callable[..., TestClient],
+    stub_service: Callable[..., TestClient],
 ) -> None:
-    client = service(SLOW_ENV)
+    client = stub_service(SLOW_ENV)
     run = client.post("/api/runs", json=SLOW).json()
     _measuring(client, run["id"])
     assert client.post(f"/api/runs/{run['id']}/cancel").status_code == 200
@@ -239,9 +221,9 @@ def test_a_cancel_while_measured_keeps_the_samples_and_the_worker(
 
 
 def test_a_cancel_while_the_worker_starts_leaves_no_worker_process(
-    service: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+    stub_service: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client = service({"STUB_STARTUP_DELAY_S": "3"})
+    client = stub_service({"STUB_STARTUP_DELAY_S": "3"})
     run = client.post("/api/runs", json=TINY).json()
     workers: list[dict[str, Any]] = []
 
@@ -281,10 +263,10 @@ def _worker_starting(client: TestClient, run_id: str) -> None:
                  id="while it is measured"),
 ])
 def test_a_run_in_progress_when_the_service_stops_is_failed_with_that_reason(
-    service: Callable[..., TestClient], env: dict[str, str], spec: dict[str, Any],
+    stub_service: Callable[..., TestClient], env: dict[str, str], spec: dict[str, Any],
     reached: Callable[[TestClient, str], object], kept: tuple[int, int],
 ) -> None:
-    client = service(env)
+    client = stub_service(env)
     run = client.post("/api/runs", json=spec).json()
     reached(client, run["id"])
     worker = client.get("/api/workers").json()[0]
@@ -292,7 +274,7 @@ def test_a_run_in_progress_when_the_service_stops_is_failed_with_that_reason(
     assert not pid_alive(worker["pid"]), "the worker outlived the service"
 
     # Started again on the same data: the runner's own word, not the recovery's.
-    client = service()
+    client = stub_service()
     done = client.get(f"/api/runs/{run['id']}").json()
     assert done["status"] == "failed"
     assert done["error"] == "the service stopped while this run was in progress"
@@ -306,11 +288,11 @@ def test_a_run_in_progress_when_the_service_stops_is_failed_with_that_reason(
 
 
 def test_a_run_waiting_for_the_connector_shows_every_answered_request(
-    service: Callable[..., TestClient],
+    stub_service: Callable[..., TestClient],
 ) -> None:
     # Without the connector's report the runner waits its whole report wait after the last
     # answer; the 4 tiny requests are answered well before the first periodic save.
-    client = service({"STUB_NO_CONNECTOR": "1"})
+    client = stub_service({"STUB_NO_CONNECTOR": "1"})
     run = client.post("/api/runs", json=TINY).json()
     seen: list[tuple[str, int, int]] = []
 

@@ -28,12 +28,11 @@ from service.analysis.intervals import (
     ratio_by_trials,
 )
 from service.analysis.metrics import request_values, wait_windows
+from service.core.errors import Conflict, NotFound, shown
 from service.core.spec import point_key
 from service.core.status import FINISHED, RunStatus
-from service.storage import baselines, measurements, store, sweeps
+from service.storage import baselines, measurements, store
 from service.storage.tables import Run
-from service.web.errors import Conflict, NotFound, shown
-from service.web.schemas import SweepPublic
 
 # How far fill may sit from real prefill and still be called a match (ratio of decode ITL
 # or TPOT, fill over prefill, whose whole 95% interval must lie inside).
@@ -421,40 +420,3 @@ def group_view(engine: Engine, group_id: str) -> dict[str, Any]:
                    if isinstance(v, int | float) and not isinstance(v, bool)})
     return {"id": arm.id, "spec": arm.spec, "runs": arm.runs,
             "succeeded": len(arm.ok), "figures": {k: figure(arm, k) for k in keys}}
-
-
-def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
-    """A sweep as the API returns it, with its points and fill against prefill."""
-    sweep, runs = sweeps.get_sweep(engine, sweep_id)
-    public = sweeps.sweep_public(engine, sweep_id, (sweep, runs))
-    public.points, public.fill_vs_prefill = sweep_points(engine, list(sweep.grid), runs)
-    return public
-
-
-# Spec fields every row of a sweep's exported table carries, grid or not.
-TABLE_SPEC_KEYS = ("model", "mode", "input_len", "output_len", "max_concurrency", "request_rate",
-                   "num_prompts")
-
-
-def sweep_table(public: SweepPublic) -> tuple[list[str], list[dict[str, Any]]]:
-    """A sweep's points as one flat table (``GET /api/sweeps/{id}/export``): the columns and
-    one row per point, each figure with its 95% interval, spread and number of trials."""
-    runs = {r.id: r for r in public.runs}
-    keys = [*TABLE_SPEC_KEYS, *(k for k in public.grid if k not in TABLE_SPEC_KEYS)]
-    columns = ["sweep", "point", *keys, "trials", "succeeded", "runs"]
-    for name in POINT_FIGURES:
-        columns += [name, f"{name}_ci_lo", f"{name}_ci_hi", f"{name}_cv", f"{name}_n"]
-    rows = []
-    for p in public.points:
-        spec = runs[p["runs"][0]].spec
-        row: dict[str, Any] = {"sweep": public.id, "point": p["arm"],
-                               **{k: spec_value(spec, k) for k in keys},
-                               "trials": len(p["runs"]), "succeeded": p["succeeded"],
-                               "runs": " ".join(p["runs"])}
-        for name in POINT_FIGURES:
-            fig = p["figures"].get(name) or {}
-            ci = fig.get("ci") or [None, None]
-            row |= {name: fig.get("value"), f"{name}_ci_lo": ci[0], f"{name}_ci_hi": ci[1],
-                    f"{name}_cv": fig.get("cv"), f"{name}_n": fig.get("n")}
-        rows.append(row)
-    return columns, rows

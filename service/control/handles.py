@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.control.procs import log_tail
+from service.storage.logs import log_tail
 
 # How long a dead worker's log copier gets to write what was still in the pipe.
 LAST_WORDS_WAIT_S = 2.0

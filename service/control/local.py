@@ -36,7 +36,6 @@ from service.control.procs import (
     is_our_worker,
     kill_group,
     log_head,
-    log_tail,
     stop_process_group,
 )
 from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
@@ -44,6 +43,7 @@ from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
 from service.settings import Settings
 from service.storage import workers
+from service.storage.logs import log_tail
 from service.storage.tables import Worker
 from service.storage.workers import hash_token
 

@@ -25,7 +25,6 @@ from typing import IO
 # Environment variable that marks a process as ours, so that after a crash we only
 # ever stop process groups this service started.
 WORKER_ENV = "DECODEBENCH_WORKER_ID"
-LOG_TAIL_LINES = 40
 
 
 class NoFreePort(Exception):
@@ -39,19 +38,6 @@ def log_head(path: Path, max_bytes: int = 1 << 20) -> str:
             return f.read(max_bytes).decode("utf-8", errors="replace")
     except OSError:
         return ""
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of a log file (empty if missing)."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            data = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(data.splitlines()[-lines:])
 
 
 def drain_to_capped_file(pipe: IO[bytes], path: Path, max_bytes: int) -> None:

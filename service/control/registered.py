@@ -16,13 +16,13 @@ from sqlalchemy import Engine
 
 from service.control.handles import WorkerHandle
 from service.control.vllm_cli import kv_capacity
+from service.core.errors import Conflict, NotFound, shown
 from service.core.ids import new_id, utcnow
 from service.core.servers import WorkerRegister
 from service.core.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE
 from service.storage import workers
 from service.storage.tables import Worker
 from service.storage.workers import hash_token
-from service.web.errors import Conflict, NotFound, shown
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from service.control.procs import log_tail
 from service.core.sample import Sample
 from service.load.driver import DriverConfig, shard_count
 from service.load.generator import LoadShape
+from service.storage.logs import log_tail
 
 if TYPE_CHECKING:
     from service.core.spec import RunSpec

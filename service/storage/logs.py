@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 from pathlib import Path
 
 from sqlalchemy import Engine
@@ -19,6 +20,21 @@ from sqlalchemy import Engine
 from service.storage import workers
 
 log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 40
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file (empty if missing)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
 
 
 def run_files(logs_dir: Path, run_id: str) -> list[Path]:

@@ -19,14 +19,14 @@ from sqlalchemy import Engine, delete, func, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service.control import provenance
+from service.core import provenance
+from service.core.errors import Conflict, Invalid, NotFound, shown
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec, point_key
 from service.core.status import FINISHED, RunStatus, sources_of
 from service.storage.db import write_session
 from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint, Worker
 from service.storage.workers import worker_facts
-from service.web.errors import Conflict, Invalid, NotFound, shown
 
 
 def transition(engine: Engine, run_id: str, target: RunStatus, **fields: Any) -> bool:
@@ -254,7 +254,7 @@ def delete_run(engine: Engine, run_id: str) -> None:
 def snapshot_provenance(engine: Engine, run_id: str, worker_id: str, load_format: str,
                         kv_tokens: int | None, facts: Mapping[str, Any]) -> dict[str, Any] | None:
     """Record on a run the provenance of its worker as it stands, with the service's facts
-    and the run's own (``service.control.provenance.snapshot``); returns it."""
+    and the run's own (``service.core.provenance.snapshot``); returns it."""
     with write_session(engine) as session:
         run = session.get(Run, run_id)
         if run is None:

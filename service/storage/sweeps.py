@@ -5,14 +5,12 @@ from __future__ import annotations
 from sqlalchemy import Engine, func
 from sqlmodel import Session, col, select
 
+from service.core.errors import Invalid, NotFound, shown
 from service.core.ids import new_id
-from service.core.status import FINISHED, RunStatus
 from service.core.sweep import SweepCreate
 from service.storage.db import write_session
 from service.storage.store import queue_in_order, trial_runs
 from service.storage.tables import Run, Sweep
-from service.web.errors import Invalid, NotFound, shown
-from service.web.schemas import RunPublic, SweepPublic
 
 
 def create_sweep(engine: Engine, body: SweepCreate) -> Sweep:
@@ -80,18 +78,3 @@ def sweep_page(engine: Engine, limit: int, offset: int) -> tuple[list[tuple[Swee
                 counts[str(sweep_id)][status] = int(n)
         total = session.exec(select(func.count()).select_from(Sweep)).one()
         return [(sweep, counts[sweep.id]) for sweep in sweeps], int(total)
-
-
-def sweep_public(engine: Engine, sweep_id: str,
-                 loaded: tuple[Sweep, list[Run]] | None = None) -> SweepPublic:
-    """A sweep with its runs and how far they got (``loaded``: what ``get_sweep`` gave)."""
-    sweep, runs = loaded or get_sweep(engine, sweep_id)
-    progress = {status.value: 0 for status in RunStatus}
-    for run in runs:
-        progress[run.status] += 1
-    progress["total"] = len(runs)
-    progress["finished"] = sum(progress[s.value] for s in FINISHED)
-    progress["infeasible"] = sum(bool(r.error and r.error.startswith("infeasible")) for r in runs)
-    return SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
-                       progress=progress, runs=[RunPublic.of(r) for r in runs],
-                       repeats=int(sweep.base.get("repeats", 1)))

@@ -49,7 +49,7 @@ class Run(SQLModel, table=True):
     trial: int | None = None
     # ``point_key`` of the spec: runs of the same point, for baselines.
     point: str | None = SQLField(default=None, index=True)
-    # The setup its numbers came from (see ``service.control.provenance.snapshot``), taken when it
+    # The setup its numbers came from (see ``service.core.provenance.snapshot``), taken when it
     # got its worker.
     provenance: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
 

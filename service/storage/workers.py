@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Engine, func, update
 from sqlmodel import Session, col, select
 
-from service.control import provenance
+from service.core import provenance
 from service.core.ids import utcnow
 from service.storage.db import write_session
 from service.storage.tables import Run, Worker

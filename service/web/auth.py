@@ -17,9 +17,9 @@ from typing import Literal
 from fastapi import Request
 from itsdangerous import BadSignature, SignatureExpired, TimestampSigner
 
+from service.core.errors import Forbidden, LoginRequired, Unauthorized
 from service.storage import workers
 from service.storage.tables import Worker
-from service.web.errors import Forbidden, LoginRequired, Unauthorized
 
 COOKIE = "decodebench_session"
 # Before sessions the pages kept the raw API token in this cookie. It no longer logs anyone

@@ -14,57 +14,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-
-class ServiceError(Exception):
-    """Base of errors that reach a client; ``status`` is the HTTP status."""
-
-    status = 400
-
-    def __init__(self, detail: Any) -> None:
-        super().__init__(detail)
-        self.detail = detail
-
-
-class NotFound(ServiceError):
-    """The thing asked for does not exist."""
-
-    status = 404
-
-
-class Conflict(ServiceError):
-    """The request conflicts with the current state (e.g. cancel of a finished run)."""
-
-    status = 409
-
-
-class Invalid(ServiceError):
-    """Well-formed but unacceptable input."""
-
-    status = 422
-
-
-class Unauthorized(ServiceError):
-    """Missing or wrong credentials."""
-
-    status = 401
-
-
-class Forbidden(ServiceError):
-    """Valid credentials that may not do this."""
-
-    status = 403
-
-
-class LoginRequired(ServiceError):
-    """A page asked for without credentials: the browser is sent to the login page."""
-
-    status = 303
-
-
-class TooLarge(ServiceError):
-    """Request body over the size limit."""
-
-    status = 413
+from service.core.errors import ECHO_CHARS, LoginRequired, ServiceError, shown
 
 
 class ErrorBody(BaseModel):
@@ -93,17 +43,6 @@ def error_body(detail: Any) -> dict[str, Any]:
 # Validation errors listed in one answer; a body with 80,000 unknown keys would
 # otherwise get 80,000 errors back (an answer many times the size of the request).
 MAX_ERRORS = 20
-# What an error echoes of a value the client sent is cut to this many characters.
-ECHO_CHARS = 200
-
-
-def shown(value: Any) -> str:
-    """``repr(value)`` cut to ``ECHO_CHARS``: an error names what was asked for without
-    echoing a client's whole input back (a path id is as long as the request line)."""
-    text = repr(value)
-    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."
-
-
 def _json_safe(errors: Any) -> Any:
     """Pydantic error lists can carry exception objects in ``ctx``; keep them printable.
     At most ``MAX_ERRORS``, then one entry that says how many more there were."""

@@ -7,11 +7,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Response
 
 from service.analysis import comparison
+from service.core.errors import Conflict, Invalid, NotFound, shown
 from service.core.status import FINISHED
 from service.storage import baselines, store
 from service.web.api.runs import cancel_one
 from service.web.deps import ADMIN, DB, READ, Sched
-from service.web.errors import ERROR_RESPONSES, Conflict, Invalid, NotFound, shown
+from service.web.errors import ERROR_RESPONSES
 from service.web.schemas import GroupPublic, RunPublic
 
 router = APIRouter(responses=ERROR_RESPONSES)

@@ -7,13 +7,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Response
 from pydantic import ValidationError
 
+from service.core.errors import Conflict, NotFound, shown
 from service.core.protocol import ConnectorReport, FillAnswer, WorkerProvenance
 from service.core.spec import RunSpec, describe
 from service.storage import store, workers
 from service.storage.tables import Run, Worker
 from service.web.auth import require_worker
 from service.web.deps import DB, Sched
-from service.web.errors import ERROR_RESPONSES, Conflict, NotFound, shown
+from service.web.errors import ERROR_RESPONSES
 
 router = APIRouter(responses=ERROR_RESPONSES)
 

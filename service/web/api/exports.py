@@ -16,7 +16,8 @@ from sqlalchemy import Engine
 
 from service.analysis import server_metrics
 from service.analysis.metrics import VLLM_REQUEST_LISTS, is_bunched, vllm_result
-from service.control import provenance
+from service.core import provenance
+from service.core.errors import Conflict
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import effective_load_format
@@ -24,7 +25,7 @@ from service.storage import measurements, store
 from service.storage.tables import Run
 from service.web.api.runs import server_points
 from service.web.deps import DB, READ
-from service.web.errors import ERROR_RESPONSES, Conflict
+from service.web.errors import ERROR_RESPONSES
 
 router = APIRouter(responses=ERROR_RESPONSES)
 

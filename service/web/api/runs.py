@@ -13,12 +13,13 @@ from sqlalchemy import Engine
 from service.analysis import server_metrics
 from service.control import hub
 from service.control.queue import Scheduler
+from service.core.errors import Conflict, Invalid
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import FINISHED, RunStatus
 from service.storage import logs, measurements, store, workers
 from service.web.deps import ADMIN, DB, READ, Sched
-from service.web.errors import ERROR_RESPONSES, Conflict, ErrorBody, Invalid
+from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import (
     RunList,
     RunPublic,

@@ -9,12 +9,14 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.analysis import comparison
+from service.core.errors import Conflict
 from service.core.sweep import SweepCreate
 from service.storage import sweeps
+from service.web import sweep_view
 from service.web.api.exports import csv_attachment
 from service.web.api.runs import check_model
 from service.web.deps import ADMIN, DB, READ, Sched
-from service.web.errors import ERROR_RESPONSES, Conflict
+from service.web.errors import ERROR_RESPONSES
 from service.web.schemas import SweepList, SweepPublic, SweepSummary
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -26,7 +28,7 @@ def submit_sweep(body: SweepCreate, request: Request, engine: DB, scheduler: Sch
     check_model(request, engine, body.base.model)
     sweep = sweeps.create_sweep(engine, body)
     scheduler.notify()
-    return comparison.sweep_public(engine, sweep.id)
+    return sweep_view.sweep_public(engine, sweep.id)
 
 
 @router.get("/api/sweeps", response_model=SweepList, dependencies=READ)
@@ -52,7 +54,7 @@ def list_sweeps(
 def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
     """A sweep: its grid, progress and runs; its points (trials grouped) with each figure's
     95% interval; with a grid over ``mode``, fill against real prefill per point."""
-    return comparison.sweep_public(engine, sweep_id)
+    return sweep_view.sweep_public(engine, sweep_id)
 
 
 @router.get(
@@ -64,7 +66,7 @@ def export_sweep(
     sweep_id: str, engine: DB, format: Literal["csv", "json"] = "csv"
 ) -> Response:
     """The sweep's points as one table, one row per point with each figure's 95% interval: CSV or JSON."""
-    columns, rows = comparison.sweep_table(comparison.sweep_public(engine, sweep_id))
+    columns, rows = sweep_view.sweep_table(sweep_view.sweep_public(engine, sweep_id))
     name = f"decodebench-{sweep_id}"
     if format == "json":
         return JSONResponse({"sweep": sweep_id, "columns": columns, "rows": rows},

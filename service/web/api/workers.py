@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from service.control.vllm_cli import serve_command
+from service.core.errors import NotFound, shown
 from service.core.servers import WorkerRegister
 from service.storage import workers
 from service.web.deps import ADMIN, DB, READ, Sched
-from service.web.errors import ERROR_RESPONSES, NotFound, shown
+from service.web.errors import ERROR_RESPONSES
 from service.web.schemas import WorkerPublic, WorkerRegistered
 
 router = APIRouter(responses=ERROR_RESPONSES)

@@ -16,11 +16,11 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from service.analysis import comparison, server_metrics
-from service.control.procs import log_tail
 from service.core.protocol import connector_totals
 from service.core.spec import EngineSpec, effective_load_format, worker_key
 from service.core.status import FINISHED, RunStatus
 from service.storage import measurements, store, sweeps, workers
+from service.storage.logs import log_tail
 from service.storage.tables import Run
 from service.web import charts
 from service.web.deps import DB

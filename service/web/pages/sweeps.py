@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse
 from service.analysis import comparison
 from service.core.status import FINISHED
 from service.storage import store
-from service.web import charts
+from service.web import charts, sweep_view
 from service.web.deps import DB
 from service.web.pages.render import PAGE, templates
 
@@ -22,7 +22,7 @@ router = APIRouter(dependencies=PAGE, include_in_schema=False)
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
 def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
     """One sweep: its points with their intervals, curves, fill against prefill, runs."""
-    sweep = comparison.sweep_public(engine, sweep_id)
+    sweep = sweep_view.sweep_public(engine, sweep_id)
     keys = list(sweep.grid)
     runs_by_id = {r.id: r for r in sweep.runs}
     rows = [({k: comparison.spec_value(r.spec, k) for k in keys}, r) for r in sweep.runs]
