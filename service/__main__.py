@@ -78,6 +78,14 @@ def main() -> None:
     # `kill -USR1 <pid>` prints every thread's stack to the log: for a service that hangs.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if settings.ray_address:
+        # A cluster that cannot be reached is said in one line, before anything starts.
+        from service.control.ray_servers import connect
+
+        try:
+            connect(settings)
+        except ConnectionError as exc:
+            sys.exit(f"decodebench: {exc}")
     token_path = settings.data_dir / "api-token"
     settings.resolve_api_token()
     logging.getLogger("service").info(

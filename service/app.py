@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 
 from service.control import provenance
-from service.control.fleet import Fleet
+from service.control.fleet import DriverBackend, Fleet, ServerBackend
 from service.control.queue import Scheduler
 from service.settings import Settings
 from service.storage import logs
@@ -46,6 +46,18 @@ async def prune_logs_every(engine: Engine, settings: Settings) -> None:
         await prune_logs(engine, settings)
 
 
+def cluster_backends(settings: Settings, engine: Engine, client: httpx.AsyncClient
+                     ) -> tuple[ServerBackend | None, DriverBackend | None]:
+    """The Ray backends when ``ray_address`` is set (Ray is imported only then); else
+    none, and the fleet uses local processes."""
+    if not settings.ray_address:
+        return None, None
+    from service.control.ray_servers import RayServers
+    from service.load.ray_drivers import RayDriverBackend
+
+    return RayServers(settings, engine, client), RayDriverBackend(settings)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service app for ``settings`` (read from the environment when omitted)."""
     settings = settings or Settings()
@@ -63,7 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.to_thread(provenance.service_facts)
         engine = make_engine(settings.db_path)
         client = httpx.AsyncClient()
-        fleet = Fleet(settings, engine, client)
+        fleet = Fleet(settings, engine, client, *cluster_backends(settings, engine, client))
         scheduler = Scheduler(settings, engine, fleet)
         app.state.settings = settings
         app.state.engine = engine

@@ -68,6 +68,20 @@ class Settings(BaseSettings):
     # when the service starts and every minute (``service.storage.logs``). At least the 10 the
     # index page lists, so a failure shown there still has its log.
     worker_logs_kept: int = Field(default=50, ge=10)
+    # A Ray cluster to place servers and load drivers on (``auto``, ``HOST:6379`` or
+    # ``ray://HOST:10001``); None: local processes, and Ray is never imported.
+    ray_address: str | None = None
+    # The Ray namespace of the actors this service makes; on a restart every actor left in
+    # it is stopped, so give each service its own.
+    ray_namespace: str = "decodebench"
+    # The address servers on Ray nodes listen on and are reached at; None: their node's
+    # address as Ray knows it. (127.0.0.1 only where every node is this machine.)
+    ray_server_host: str | None = None
+    # CPUs a server asks Ray for (per tensor-parallel rank) on a cluster without GPUs.
+    ray_server_cpus: float = Field(default=1.0, gt=0)
+    # Environment variables (by prefix, comma-separated) passed from the service to the
+    # servers it starts on other nodes; the rest of a server's environment is its node's.
+    ray_forward_env: str = "VLLM_,HF_,HUGGING_FACE_,TRANSFORMERS_"
 
     @field_validator("data_dir")
     @classmethod

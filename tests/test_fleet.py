@@ -137,14 +137,14 @@ def test_two_servers_starting_at_once_never_get_the_same_port(
             fleet = Fleet(settings, engine, http)
             spec = RunSpec()
             handles = await asyncio.gather(
-                fleet.local.start(spec, [], lambda h: held.setdefault(h.id, h), set()),
-                fleet.local.start(spec, [], lambda h: held.setdefault(h.id, h), set()),
+                fleet.servers.start(spec, [], lambda h: held.setdefault(h.id, h), set()),
+                fleet.servers.start(spec, [], lambda h: held.setdefault(h.id, h), set()),
             )
             try:
                 return [h.port for h in handles]
             finally:
                 for h in handles:
-                    await fleet.local.stop(h)
+                    await fleet.servers.stop(h)
 
     ports = asyncio.run(start_two())
     assert len(set(ports)) == 2, ports

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 from sqlalchemy import Engine
@@ -65,6 +65,12 @@ class LoadDrivers(Protocol):
         """What the drivers last said on their error output."""
         ...
 
+    @property
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each shard runs: ``{"shard", "node_id", "node_ip"}``, and on a cluster
+        the host's clock offset to the service (``offset_s``, ``uncertainty_s``)."""
+        ...
+
 
 class ServerBackend(Protocol):
     """Where the servers this service starts run, and how they are started and stopped
@@ -89,6 +95,23 @@ class ServerBackend(Protocol):
 
     def reap_orphans(self) -> int:
         """After a crash of the service: stop servers a previous one left (blocking)."""
+        ...
+
+    def slots(self) -> list[str] | None:
+        """What placement may give servers (one slot per GPU); None: the service host's
+        GPUs (``Settings.gpu_ids``)."""
+        ...
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The hosts servers may run on: id, address, CPUs, GPUs."""
+        ...
+
+    def open(self) -> None:
+        """Get ready (inside the event loop)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop what ``open`` started (the servers are stopped already)."""
         ...
 
 
@@ -135,14 +158,16 @@ class Fleet(RegisteredServers):
         self._stopping: dict[str, WorkerHandle] = {}
         # Runs placed on a new server that is not up yet, with the GPUs they hold.
         self._starting: dict[str, Placement] = {}
-        self.local: ServerBackend = servers or LocalServers(settings, engine, client)
+        self.servers: ServerBackend = servers or LocalServers(settings, engine, client)
         self.driver_pool: DriverBackend = drivers or DriverPool(settings.logs_dir)
         self._gpus: list[str] = []
+        # The drivers of runs being measured (for ``cluster``).
+        self._drivers: dict[str, LoadDrivers] = {}
 
     @property
     def tokens(self) -> dict[str, str]:
         """Worker tokens of the servers this service started, by worker id."""
-        return self.local.tokens
+        return self.servers.tokens
 
     # ------------------------------------------------------------ life of the service
 
@@ -151,15 +176,17 @@ class Fleet(RegisteredServers):
         back the registered servers (unavailable until probed). Returns how many
         orphans were stopped."""
         # The GPUs, once: NVML's first answer can take a while (never on the event loop).
-        self._gpus = await asyncio.to_thread(self.settings.gpu_ids)
-        orphans = await asyncio.to_thread(self.local.reap_orphans)
+        if self.servers.slots() is None:
+            self._gpus = await asyncio.to_thread(self.settings.gpu_ids)
+        orphans = await asyncio.to_thread(self.servers.reap_orphans)
         registered = await self.load_registered()
         if registered:
             log.info("%d registered workers to probe", registered)
         return orphans
 
     def start(self) -> None:
-        """Start the spare driver processes (inside the event loop)."""
+        """Start the spare driver processes and the backends' watchers (inside the event loop)."""
+        self.servers.open()
         self.driver_pool.start()
 
     async def shutdown(self) -> None:
@@ -168,6 +195,7 @@ class Fleet(RegisteredServers):
         for handle in [*self.workers.values(), *self._stopping.values()]:
             if not handle.external:
                 await self._stop(handle, "stopped", "the service shut down")
+        await self.servers.close()
 
     # ------------------------------------------------------------ what placement sees
 
@@ -179,8 +207,10 @@ class Fleet(RegisteredServers):
         return rows, [(p.key, p.gpus) for p in self._starting.values()]
 
     def gpu_ids(self) -> list[str]:
-        """The GPUs servers may be placed on (known from ``recover``)."""
-        return list(self._gpus)
+        """The GPUs (or, on a cluster, the slots) servers may be placed on: the service
+        host's known from ``recover``, a cluster's as its backend last saw them."""
+        slots = self.servers.slots()
+        return list(self._gpus) if slots is None else slots
 
     def reserve(self, decision: Decision) -> Placement:
         """Hold what a placement decided for its run, before any await: the reused server
@@ -218,7 +248,7 @@ class Fleet(RegisteredServers):
 
         taken = {h.port for h in (*self.workers.values(), *self._stopping.values())}
         try:
-            return await self.local.start(spec, placement.gpus, hold, taken)
+            return await self.servers.start(spec, placement.gpus, hold, taken)
         except BaseException:
             for handle in list(self.workers.values()):
                 if handle.busy_run == run_id and not handle.ready:
@@ -247,7 +277,7 @@ class Fleet(RegisteredServers):
         if handle.external:
             await self.set_unavailable(handle, error)
             return
-        await self._take_down(handle, lambda: self.local.bury(handle, error))
+        await self._take_down(handle, lambda: self.servers.bury(handle, error))
 
     async def reap_dead(self) -> None:
         """Bury started servers that exited while idle."""
@@ -261,7 +291,7 @@ class Fleet(RegisteredServers):
         if handle.external:
             await self.set_unavailable(handle, error)
             return
-        await self._take_down(handle, lambda: self.local.stop(handle, status, error))
+        await self._take_down(handle, lambda: self.servers.stop(handle, status, error))
 
     async def _take_down(self, handle: WorkerHandle, stop: Callable[[], object]) -> None:
         """Stop a started server, holding it (and its GPUs and port) among the stopping
@@ -284,6 +314,7 @@ class Fleet(RegisteredServers):
         """The run is over: the servers it used are idle again (and were used just now,
         for least-recently-used eviction), and it holds no GPUs."""
         self._starting.pop(run_id, None)
+        self._drivers.pop(run_id, None)
         for handle in [*used, *self.workers.values()]:
             if handle.busy_run == run_id:
                 handle.busy_run = None
@@ -304,10 +335,41 @@ class Fleet(RegisteredServers):
     # ------------------------------------------------------------ a run's drivers
 
     def drivers_for(self, run_id: str, spec: RunSpec, handle: WorkerHandle) -> LoadDrivers:
-        """The load drivers of a run against its server."""
-        return self.driver_pool.drivers_for(run_id, spec, handle.url, handle.served_model,
-                                            handle.vocab_size, self.settings.request_timeout_s,
-                                            self.settings.driver_hang_s)
+        """The load drivers of a run against its server (on the server's node, where the
+        backend has nodes)."""
+        drivers = self.driver_pool.drivers_for(run_id, spec, handle.url, handle.served_model,
+                                               handle.vocab_size, self.settings.request_timeout_s,
+                                               self.settings.driver_hang_s)
+        self._drivers[run_id] = drivers
+        return drivers
+
+    # ------------------------------------------------------------ what runs where
+
+    def cluster(self) -> dict[str, Any]:
+        """The hosts servers run on, each with the servers and the runs' driver shards on
+        it (``GET /api/cluster``). On the event loop: reads only what is held here."""
+        nodes: dict[str, dict[str, Any]] = {}
+        for node in self.servers.nodes():
+            nodes[node["id"]] = {**node, "alive": True, "servers": [], "drivers": []}
+
+        def on(node_id: str, address: str | None = None) -> dict[str, Any]:
+            return nodes.setdefault(node_id, {"id": node_id, "address": address, "cpus": None,
+                                              "gpus": None, "alive": False, "servers": [], "drivers": []})
+
+        for handle in [*self.workers.values(), *self._stopping.values()]:
+            if handle.external:
+                continue
+            node = handle.node or {"id": "local", "address": "127.0.0.1", "gpu_ids": handle.gpus}
+            on(node["id"], node.get("address"))["servers"].append({
+                "id": handle.id, "model": handle.served_model, "url": handle.url, "ready": handle.ready,
+                "run_id": handle.busy_run, "stopping": handle.id in self._stopping,
+                "gpu_ids": node.get("gpu_ids") or [],
+            })
+        for run_id, drivers in list(self._drivers.items()):
+            for shard in drivers.placement:
+                on(shard["node_id"], shard.get("node_ip"))["drivers"].append({"run_id": run_id, **shard})
+        backend = "ray" if self.settings.ray_address else "local"
+        return {"backend": backend, "nodes": list(nodes.values())}
 
 
 def _row(handle: WorkerHandle, stopping: bool) -> WorkerRow:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from service.storage.logs import log_tail
 
@@ -17,6 +17,19 @@ LAST_WORDS_WAIT_S = 2.0
 
 class WorkerError(Exception):
     """A worker failed to start or died; the message carries its log tail."""
+
+
+class ServerProcess(Protocol):
+    """A started server's main process as the fleet watches it: a ``subprocess.Popen``
+    here, or a stand-in for a process on another node (``service.control.ray_servers``).
+    ``poll`` never blocks: it may be called on the event loop."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None:
+        """The exit code once the process has ended, else None."""
+        ...
 
 
 @dataclass
@@ -29,7 +42,7 @@ class WorkerHandle:
     url: str
     port: int
     served_model: str
-    process: subprocess.Popen[bytes] | None
+    process: ServerProcess | None
     log_path: Path
     # The thread that copies the process's output to ``log_path``.
     log_copier: threading.Thread | None = None
@@ -47,8 +60,14 @@ class WorkerHandle:
     # Registered servers: the last probe's complaint, and when last_seen_at was last written.
     last_problem: str | None = None
     seen_written: float = 0.0
-    # Who runs it: "local" (a process of this service) or "registered" (started elsewhere).
+    # Who runs it: "local" (a process of this service), "registered" (started elsewhere)
+    # or "ray" (an actor on ``node``: {"id", "address", "gpu_ids"}).
     backend: str = "local"
+    node: dict[str, Any] | None = None
+    # A server whose log is on another host: how to read its tail (blocking).
+    remote_tail: Callable[[], str] | None = None
+    # Why its process ended when the backend knows more than an exit code (a node lost).
+    gone: str | None = None
 
     @property
     def external(self) -> bool:
@@ -60,12 +79,19 @@ class WorkerHandle:
         process here; whether it answers is for its health probes to say."""
         return self.process is None or self.process.poll() is None
 
+    def ended_why(self) -> str:
+        """``": <why>"`` when the backend knows why the server ended (its node was lost),
+        else nothing: for an error message."""
+        return f": {self.gone}" if self.gone else ""
+
     def tail(self) -> str:
         """The last lines of the worker's log, or where to look for a registered server's.
         Of a worker that has exited, its last words are waited for (up to a moment) to be
         copied from its pipe to the file first."""
         if self.external:
             return f"(registered server {self.url}: its log is on the host that runs it)"
+        if self.remote_tail is not None:
+            return self.remote_tail()
         if self.log_copier is not None and not self.alive():
             self.log_copier.join(timeout=LAST_WORDS_WAIT_S)
         return log_tail(self.log_path)

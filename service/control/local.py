@@ -217,6 +217,22 @@ class LocalServers:
 
         await asyncio.to_thread(bury, handle.process)
 
+    def slots(self) -> None:
+        """Placement uses this machine's GPUs (``Settings.gpu_ids``)."""
+        return None
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """This machine."""
+        gpus = self.settings.gpu_ids()
+        return [{"id": "local", "address": "127.0.0.1", "cpus": float(os.cpu_count() or 1),
+                 "gpus": float(len(gpus))}]
+
+    def open(self) -> None:
+        """Nothing to watch: processes here are polled directly."""
+
+    async def close(self) -> None:
+        """Nothing started by ``open``."""
+
     def reap_orphans(self) -> int:
         """After a crash: stop process groups of workers a previous service left behind.
         Blocking (database and process work): call it from a thread."""

@@ -65,6 +65,7 @@ class RegisteredServers:
             token_hash=hash_token(token),
             log_path="",
             external=True,
+            backend="registered",
             vocab_size=body.vocab_size or (VOCAB_SIZE if body.model == TINY_MODEL_NAME else None),
             error="registered; waiting for the server to answer /health",
         )

@@ -231,7 +231,8 @@ class Runner:
         if not handle.alive():
             tail = await asyncio.to_thread(handle.tail)
             await self.fleet.bury(handle, "exited during a run")
-            raise WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+            raise WorkerError(f"vLLM server exited during the run{handle.ended_why()}; "
+                              f"last log lines:\n{tail}")
         samples = self.samples
         # Off the event loop: a big run's summary takes seconds of CPU.
         summary = await asyncio.to_thread(self._summary, duration)
@@ -384,6 +385,8 @@ class Runner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):  # a record, never a reason to fail the run
+                await asyncio.to_thread(store.record_drivers, self.engine, self.run_id, drivers.placement)
 
     async def _end(self, status: RunStatus | None, error: str | None, **fields: object) -> None:
         """The one way out: save what is left of the samples and write the end state

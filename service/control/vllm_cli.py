@@ -92,17 +92,22 @@ def serve_command(body: WorkerRegister, control_url: str, token: str) -> tuple[s
     return shlex.join(argv), config
 
 
-def worker_argv(settings: Settings, spec: RunSpec, port: int, token: str,
-                gpus: list[str]) -> tuple[list[str], str]:
-    """A started worker's argv (never a shell string) and the model path it serves."""
+def worker_argv(settings: Settings, spec: RunSpec, port: int, token: str, gpus: list[str],
+                host: str = "127.0.0.1", models_dir: Path | None = None) -> tuple[list[str], str]:
+    """A started worker's argv (never a shell string) and the model path it serves.
+    ``host``: the address it listens on; ``models_dir``: where the bundled tiny model is on
+    the host that runs it (the service's data dir by default)."""
     tiny = spec.model == TINY_MODEL_NAME
-    model_path = str(ensure_tiny_model(settings.models_dir)) if tiny else spec.model
+    if tiny and models_dir is not None:
+        model_path = str(models_dir / TINY_MODEL_NAME)
+    else:
+        model_path = str(ensure_tiny_model(settings.models_dir)) if tiny else spec.model
     kv_config = kv_transfer_config(settings.control_base_url(), token, spec.fill.mean, spec.fill.std)
     argv = [
         *settings.worker_command(),
         "--model", model_path,
         "--served-model-name", spec.model,
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--kv-transfer-config", json.dumps(kv_config),
         *engine_flags(spec.model, spec.engine, on_cpu=not gpus),

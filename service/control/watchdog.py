@@ -110,7 +110,8 @@ class Watchdog:
         async def exited() -> WorkerError:
             tail = await asyncio.to_thread(handle.tail)
             await self.fleet.bury(handle, "exited during a run")
-            return WorkerError(f"vLLM server exited during the run; last log lines:\n{tail}")
+            return WorkerError(f"vLLM server exited during the run{handle.ended_why()}; "
+                              f"last log lines:\n{tail}")
 
         while True:
             await asyncio.sleep(WATCH_EVERY_S)

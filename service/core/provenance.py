@@ -55,6 +55,9 @@ def snapshot(
             "argv": started.get("argv") or (reported or {}).get("argv"),
             "env": started.get("env") or (reported or {}).get("env"),
             "cpu_binding": worker.get("cpu_binding"),
+            # Where it ran: "local", "registered" or "ray", and the Ray node.
+            "backend": worker.get("backend"),
+            "node": worker.get("node"),
         },
         "reported": reported is not None,
         "versions": (reported or {}).get("versions"),

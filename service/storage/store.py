@@ -265,6 +265,17 @@ def snapshot_provenance(engine: Engine, run_id: str, worker_id: str, load_format
         return run.provenance
 
 
+def record_drivers(engine: Engine, run_id: str, placement: list[dict[str, Any]]) -> None:
+    """Record on a run's provenance where its driver shards ran (``drivers``: shard, node,
+    and on a cluster each host's clock offset to the service with its uncertainty)."""
+    with write_session(engine) as session:
+        run = session.get(Run, run_id)
+        if run is None:
+            return
+        run.provenance = {**(run.provenance or {}), "drivers": placement}
+        session.add(run)
+
+
 def run_counts(engine: Engine) -> dict[str, int]:
     """How many runs there are of each status."""
     with Session(engine) as session:

@@ -129,6 +129,10 @@ class Worker(SQLModel, table=True):
     # {"launch": {argv, env} as this service started it, "reported": what its connector
     # said of it (``WorkerProvenance``)}; see ``service.control.provenance``.
     provenance: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
+    # Who runs it: "local" (a process group of this service), "registered" (started
+    # elsewhere) or "ray" (a Ray actor on ``node``: {"id", "address", "gpu_ids"}).
+    backend: str = SQLField(default="local", sa_column_kwargs={"server_default": "local"})
+    node: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
 
 
 SERVER_POINT_INDEX = "uq_server_metric_point_run_t"

@@ -74,12 +74,12 @@ def take_back_registered(engine: Engine) -> list[Worker]:
     return rows
 
 
-def local_workers_alive(engine: Engine) -> list[Worker]:
-    """Workers this service started that its records say are starting or ready."""
+def local_workers_alive(engine: Engine, backend: str = "local") -> list[Worker]:
+    """Workers this service started on ``backend`` that its records say are starting or ready."""
     with Session(engine) as session:
         return list(session.exec(
             select(Worker).where(
-                col(Worker.status).in_(("starting", "ready")), col(Worker.external).is_(False)
+                col(Worker.status).in_(("starting", "ready")), col(Worker.backend) == backend
             )
         ).all())
 
@@ -145,7 +145,8 @@ def worker_facts(worker: Worker | None) -> dict[str, Any] | None:
     if worker is None:
         return None
     return {"id": worker.id, "external": worker.external, "gpus": worker.gpus,
-            "cpu_binding": worker.cpu_binding, "provenance": worker.provenance}
+            "cpu_binding": worker.cpu_binding, "provenance": worker.provenance,
+            "backend": worker.backend, "node": worker.node}
 
 
 def record_worker_provenance(engine: Engine, worker_id: str, reported: dict[str, Any]) -> None:

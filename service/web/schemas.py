@@ -109,6 +109,29 @@ class WorkerPublic(BaseModel):
     log_path: str
     cpu_binding: dict[str, Any] | None = None
     provenance: dict[str, Any] | None = None
+    # "local", "registered" or "ray"; for "ray" the node Ray put it on.
+    backend: str = "local"
+    node: dict[str, Any] | None = None
+
+
+class ClusterNode(BaseModel):
+    """A host servers and drivers run on (a Ray node, or this machine)."""
+
+    id: str
+    address: str | None
+    cpus: float | None
+    gpus: float | None
+    # False: a node that left the cluster while something of ours was on it.
+    alive: bool
+    servers: list[dict[str, Any]]
+    drivers: list[dict[str, Any]]
+
+
+class ClusterPublic(BaseModel):
+    """Where servers and load drivers run (``GET /api/cluster``)."""
+
+    backend: str
+    nodes: list[ClusterNode]
 
 
 class WorkerRegistered(WorkerPublic):

@@ -10,7 +10,7 @@ from service.core.servers import WorkerRegister
 from service.storage import workers
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES
-from service.web.schemas import WorkerPublic, WorkerRegistered
+from service.web.schemas import ClusterPublic, WorkerPublic, WorkerRegistered
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -19,6 +19,13 @@ router = APIRouter(responses=ERROR_RESPONSES)
 def list_workers(engine: DB) -> list[WorkerPublic]:
     """vLLM servers the service started or was told about, newest first."""
     return [WorkerPublic.model_validate(w, from_attributes=True) for w in workers.list_workers(engine)]
+
+
+@router.get("/api/cluster", response_model=ClusterPublic, dependencies=READ)
+async def get_cluster(scheduler: Sched) -> ClusterPublic:
+    """Where servers and load drivers run: the hosts (Ray's alive nodes with their CPUs
+    and GPUs, or this machine), each with the servers and the runs' driver shards on it."""
+    return ClusterPublic.model_validate(scheduler.fleet.cluster())
 
 
 @router.post("/api/workers", status_code=201, response_model=WorkerRegistered, dependencies=ADMIN)

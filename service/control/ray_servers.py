@@ -1,0 +1,450 @@
+"""vLLM servers as Ray actors: the server backend for a Ray cluster.
+
+Imported only when ``DECODEBENCH_RAY_ADDRESS`` is set (``service.app``); nothing else in
+the service imports Ray. The service keeps deciding which kind of server a run needs,
+when to reuse one and when to stop one (``service.control.placement``, on *slots*: one
+per GPU of the cluster, or per ``ray_server_cpus`` CPUs on a cluster without GPUs); Ray
+decides the node.
+
+Each server is a detached, named actor (``server-<worker id>`` in the service's
+namespace, ``ray_namespace``) holding ``tensor_parallel_size`` GPUs (or CPUs) on the
+node Ray picked. The actor (``ServerHost``) starts vLLM there as a child process group
+listening on the node's address, copies its output to a log file on that node, and
+answers for its state; the service reaches the server over HTTP like any other. Named
+and detached so that a service that crashed finds them on its next start and stops them
+(``reap_orphans``): nothing it started is left running on the cluster. The child also
+gets SIGTERM from the kernel when the actor's process dies (``PR_SET_PDEATHSIG``), so a
+lost actor does not leave vLLM behind on a node that lives on.
+
+Liveness is watched from the service every ``WATCH_S``: an actor that died (its node
+left the cluster, its process was killed) makes its server's ``poll`` return an exit
+code, with the reason (``WorkerHandle.gone``) naming the node, and the run on it fails
+as with a crashed local worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from sqlalchemy import Engine
+
+from service.control import provenance
+from service.control.cpu_binding import binding_env, parse_binding_log
+from service.control.handles import WorkerError, WorkerHandle
+from service.control.procs import WORKER_ENV, drain_to_capped_file, log_head, stop_process_group
+from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
+from service.core.ids import new_id, utcnow
+from service.core.spec import RunSpec
+from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model
+from service.settings import Settings
+from service.storage import workers
+from service.storage.logs import log_tail
+from service.storage.tables import Worker
+from service.storage.workers import hash_token
+
+log = logging.getLogger(__name__)
+
+SERVER_PREFIX = "server-"
+# Names of the actors this service makes in its namespace; on a restart every one of them
+# is from an earlier life (driver hosts: ``service.load.ray_drivers``).
+OUR_PREFIXES = (SERVER_PREFIX, "drivers-")
+# How often the service asks every server actor whether its process still runs.
+WATCH_S = 0.5
+# How long one question to an actor may take before the answer counts as lost.
+ASK_TIMEOUT_S = 10.0
+# The exit code a server gets when its actor is gone without saying one.
+LOST = -int(signal.SIGKILL)
+# prctl option: the signal a child gets when the thread that started it exits.
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the actor's process dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+class ServerHost:
+    """Runs on the node Ray chose, for one server: starts it, keeps its log, stops it.
+    Methods are called one at a time (a threaded actor of one)."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.dir = Path(tempfile.gettempdir()) / "decodebench"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.dir / f"{worker_id}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def where(self) -> dict[str, Any]:
+        """The node, its address, the GPUs Ray gave this actor, and where the bundled tiny
+        model can be written."""
+        context = ray.get_runtime_context()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        return {"id": context.get_node_id(), "address": ray.util.get_node_ip_address(),
+                "gpu_ids": gpu_ids, "models_dir": str(self.dir / "models")}
+
+    def free_port(self, address: str) -> int:
+        """A port free on this node's address now."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+            return int(s.getsockname()[1])
+
+    def start(self, argv: list[str], env: dict[str, str], tensor_parallel_size: int,
+              on_cpu: bool, log_max_bytes: int, tiny_model: bool) -> dict[str, Any]:
+        """Start the server as a process group of its own; its pid and, on a CPU, the
+        binding variables it got."""
+        if tiny_model:
+            ensure_tiny_model(self.dir / "models")
+        full = dict(os.environ)
+        full.update(env)
+        full[WORKER_ENV] = self.worker_id
+        chosen: dict[str, str] | None = None
+        if on_cpu:
+            chosen = binding_env(tensor_parallel_size, full)
+            full.update(chosen)
+        # On a GPU node Ray set CUDA_VISIBLE_DEVICES of this process to the GPUs it holds.
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=full, cwd=str(self.dir), process_group=0, preexec_fn=_die_with_parent,
+        )
+        assert self.process.stdout is not None
+        threading.Thread(target=drain_to_capped_file,
+                         args=(self.process.stdout, self.log_path, log_max_bytes),
+                         name=f"log-{self.worker_id}", daemon=True).start()
+        return {"pid": self.process.pid, "log_path": str(self.log_path),
+                "cpu_binding": {"env": chosen} if chosen is not None else None}
+
+    def poll(self) -> int | None:
+        """The server's exit code once it has ended, else None."""
+        return None if self.process is None else self.process.poll()
+
+    def tail(self) -> str:
+        """The last lines of the server's log."""
+        return log_tail(self.log_path)
+
+    def head(self) -> str:
+        """The first part of the server's log (what vLLM said while it started)."""
+        return log_head(self.log_path)
+
+    def stop(self, grace_s: float) -> int | None:
+        """Stop the server's process group (SIGTERM, SIGKILL after ``grace_s``)."""
+        if self.process is not None:
+            stop_process_group(self.process, grace_s)
+            return self.process.returncode
+        return None
+
+
+class RayProcess:
+    """A server actor as the fleet sees a process: ``poll`` answers from the last look
+    (``RayServers.watch``), never by asking the cluster."""
+
+    def __init__(self, actor: Any, worker_id: str) -> None:
+        self.actor = actor
+        self.worker_id = worker_id
+        self.pid = 0
+        self.returncode: int | None = None
+        self.node: dict[str, Any] = {}
+        self.gone: str | None = None
+        self.last_tail = ""
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def ended(self, code: int, why: str | None = None) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self.gone = why
+
+    def tail(self) -> str:
+        """The server's last log lines, read on its node (blocking; from a thread)."""
+        if self.gone is None:
+            with contextlib.suppress(RayError, GetTimeoutError):
+                self.last_tail = str(ray.get(self.actor.tail.remote(), timeout=ASK_TIMEOUT_S))
+        if self.gone is not None:
+            return f"({self.gone}; the last lines read from it:)\n{self.last_tail}"
+        return self.last_tail
+
+
+def connect(settings: Settings) -> None:
+    """Join the cluster at ``ray_address`` in the service's namespace, once. Never starts
+    a Ray head (nor its dashboard): ``ray.init`` with an address only connects. Raises
+    ``ConnectionError`` (with Ray's reason) when the cluster cannot be reached."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=settings.ray_address, namespace=settings.ray_namespace,
+                 log_to_driver=False, logging_level=logging.WARNING)
+    except Exception as exc:  # Ray raises several types for one cause: say it in one line
+        first = (str(exc).splitlines() or [""])[0]
+        raise ConnectionError(f"cannot reach the Ray cluster at {settings.ray_address}: "
+                              f"{type(exc).__name__}: {first}") from exc
+
+
+def cluster_nodes() -> list[dict[str, Any]]:
+    """The nodes Ray reports that are alive: id, address, CPUs, GPUs (blocking)."""
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        resources = node.get("Resources") or {}
+        nodes.append({"id": node["NodeID"], "address": node.get("NodeManagerAddress"),
+                      "cpus": resources.get("CPU", 0.0), "gpus": resources.get("GPU", 0.0)})
+    return nodes
+
+
+class RayServers:
+    """Starts and stops the vLLM servers of this service as actors on a Ray cluster."""
+
+    def __init__(self, settings: Settings, engine: Engine, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.client = client
+        self.tokens: dict[str, str] = {}
+        self._procs: dict[str, RayProcess] = {}
+        self._nodes: list[dict[str, Any]] = []
+        self._watcher: asyncio.Task[None] | None = None
+        connect(settings)
+
+    # ------------------------------------------------------------ the cluster
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The alive nodes as last seen (``refresh``)."""
+        return list(self._nodes)
+
+    def refresh(self) -> None:
+        """Look at the cluster's nodes again (blocking: from a thread)."""
+        self._nodes = cluster_nodes()
+
+    def slots(self) -> list[str]:
+        """What placement hands out: one slot per GPU of the cluster's alive nodes, or on
+        a cluster without GPUs one per ``ray_server_cpus`` CPUs."""
+        gpus = sum(int(n["gpus"]) for n in self._nodes)
+        if gpus:
+            return [f"gpu{k}" for k in range(gpus)]
+        cpus = sum(float(n["cpus"]) for n in self._nodes)
+        return [f"cpu{k}" for k in range(int(cpus // self.settings.ray_server_cpus))]
+
+    def _has_gpus(self) -> bool:
+        return any(n["gpus"] for n in self._nodes)
+
+    # ------------------------------------------------------------ a server's life
+
+    async def start(self, spec: RunSpec, gpus: list[str], hold: Callable[[WorkerHandle], None],
+                    taken: set[int]) -> WorkerHandle:
+        """Start a server actor for ``spec`` (``gpus``: the slots placement gave the run;
+        Ray picks the node and the GPUs) and wait until it is healthy."""
+        del taken  # ports are the node's business: the actor picks a free one there
+        self._ensure_watching()
+        worker_id = new_id("w")
+        token = secrets.token_urlsafe(32)
+        tp = spec.engine.tensor_parallel_size
+        on_gpu = self._has_gpus()
+        remote = ray.remote(ServerHost).options(  # type: ignore[attr-defined]
+            name=f"{SERVER_PREFIX}{worker_id}", namespace=self.settings.ray_namespace,
+            lifetime="detached", max_restarts=0, max_concurrency=1,
+            num_gpus=tp if on_gpu else 0,
+            num_cpus=0 if on_gpu else self.settings.ray_server_cpus * tp,
+        )
+        actor = remote.remote(worker_id)
+        process = RayProcess(actor, worker_id)
+        self._procs[worker_id] = process
+        # Held before any await: a run cancelled while its server starts leaves nothing
+        # on the cluster that nobody holds. The URL is known once Ray has placed it.
+        handle = WorkerHandle(
+            id=worker_id, key=spec.worker_key(), url="", port=0, served_model=spec.model,
+            process=process, log_path=Path(os.devnull), gpus=gpus, backend="ray",
+            remote_tail=process.tail,
+        )
+        hold(handle)
+        self.tokens[worker_id] = token
+        try:
+            await self._start(spec, handle, process, token, on_gpu)
+        except BaseException as exc:
+            reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
+            await self.stop(handle, status="failed", error=reason)
+            raise
+        handle.ready = True
+        log.info("worker %s ready at %s on node %s", worker_id, handle.url, (handle.node or {}).get("id"))
+        return handle
+
+    async def _ask(self, ref: Any, timeout: float = ASK_TIMEOUT_S) -> Any:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+
+    async def _start(self, spec: RunSpec, handle: WorkerHandle, process: RayProcess, token: str,
+                     on_gpu: bool) -> None:
+        actor = process.actor
+        deadline = time.monotonic() + self.settings.worker_start_timeout_s
+        try:
+            where = await self._ask(actor.where.remote(), self.settings.worker_start_timeout_s)
+        except TimeoutError:
+            raise WorkerError(
+                f"no Ray node took a server with {spec.engine.tensor_parallel_size} "
+                f"{'GPU' if on_gpu else 'CPU slot'}(s) within {self.settings.worker_start_timeout_s:.0f} s"
+            ) from None
+        node = {"id": where["id"], "address": where["address"], "gpu_ids": where["gpu_ids"]}
+        process.node = handle.node = node
+        host = self.settings.ray_server_host or where["address"]
+        port = int(await self._ask(actor.free_port.remote(host)))
+        argv, model_path = worker_argv(self.settings, spec, port, token, handle.gpus if on_gpu else [],
+                                       host=host, models_dir=Path(where["models_dir"]))
+        handle.port = port
+        handle.url = f"http://{host}:{port}"
+        # The vocabulary is read here: the service's copy of the tiny model, or the model's
+        # config in this host's cache (None when it is not there: prompts then stay in
+        # the range every tokenizer has).
+        tiny = spec.model == TINY_MODEL_NAME
+        handle.vocab_size = model_vocab_size(str(ensure_tiny_model(self.settings.models_dir)) if tiny
+                                             else model_path)
+        env = {k: v for k, v in os.environ.items() if k.startswith(self._forwarded())}
+        await asyncio.to_thread(workers.add_worker, self.engine, Worker(
+            id=handle.id, key=handle.key, model=spec.model, engine=spec.engine.model_dump(),
+            url=handle.url, port=port, token_hash=hash_token(token), log_path="", backend="ray",
+            node=node, gpus=",".join(node["gpu_ids"]),
+            provenance={"launch": provenance.launch(argv, env, token)},
+        ))
+        log.info("starting worker %s for %s on node %s (%s)", handle.id, spec.model, node["id"],
+                 node["address"])
+        started = await self._ask(actor.start.remote(
+            argv, env, spec.engine.tensor_parallel_size, not on_gpu, self.settings.worker_log_max_bytes,
+            spec.model == TINY_MODEL_NAME))
+        process.pid = int(started["pid"])
+        handle.cpu_binding = started["cpu_binding"]
+        await asyncio.to_thread(workers.update_worker, self.engine, handle.id, pid=process.pid,
+                                log_path=f"{node['address']}:{started['log_path']}")
+        await self._wait_healthy(handle, process, deadline)
+        handle.kv_tokens = await kv_capacity(self.client, handle.url)
+        if handle.cpu_binding is not None:
+            head = await self._ask(actor.head.remote())
+            handle.cpu_binding = {**handle.cpu_binding, **(parse_binding_log(head) or {})}
+        await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status="ready",
+                                ready_at=utcnow(), kv_tokens=handle.kv_tokens, cpu_binding=handle.cpu_binding)
+
+    def _forwarded(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.settings.ray_forward_env.split(",") if p.strip())
+
+    async def _wait_healthy(self, handle: WorkerHandle, process: RayProcess, deadline: float) -> None:
+        while True:
+            code = process.poll()
+            if code is not None:
+                tail = await asyncio.to_thread(process.tail)
+                raise WorkerError(f"vLLM server exited with code {code} before it became healthy"
+                                  f"{handle.ended_why()}; last log lines:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                response = await self.client.get(f"{handle.url}/health", timeout=2.0)
+                if response.status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                tail = await asyncio.to_thread(process.tail)
+                where = (handle.node or {}).get("address")
+                raise WorkerError(f"vLLM server not healthy after "
+                                  f"{self.settings.worker_start_timeout_s:.0f} s on node {where}; "
+                                  f"last log lines:\n{tail}")
+            await asyncio.sleep(0.5)
+
+    async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
+        """Stop the server's process group on its node, then its actor."""
+        self.tokens.pop(handle.id, None)
+        process = self._procs.pop(handle.id, None)
+        if process is not None:
+            if process.returncode is None:
+                with contextlib.suppress(RayError, TimeoutError):
+                    await self._ask(process.actor.stop.remote(self.settings.worker_stop_grace_s),
+                                    self.settings.worker_stop_grace_s + ASK_TIMEOUT_S)
+            with contextlib.suppress(RayError, ValueError):
+                ray.kill(process.actor)
+            process.ended(0)
+        await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status=status,
+                                stopped_at=utcnow(), error=error)
+        log.info("worker %s %s", handle.id, status)
+
+    async def bury(self, handle: WorkerHandle, error: str) -> None:
+        """The server ended on its own (or its node did): stop what is left, record why."""
+        await self.stop(handle, status="failed", error=f"{error}{handle.ended_why()}")
+
+    def reap_orphans(self) -> int:
+        """After a crash of the service: stop every actor a previous life left in our
+        namespace (servers with their process groups, driver hosts), and close their rows
+        (blocking)."""
+        stopped = 0
+        for name in ray.util.list_named_actors(all_namespaces=False):
+            if not name.startswith(OUR_PREFIXES):
+                continue
+            try:
+                actor = ray.get_actor(name, namespace=self.settings.ray_namespace)
+            except ValueError:
+                continue
+            if name.startswith(SERVER_PREFIX):
+                with contextlib.suppress(RayError, GetTimeoutError):
+                    ray.get(actor.stop.remote(self.settings.worker_stop_grace_s),
+                            timeout=self.settings.worker_stop_grace_s + ASK_TIMEOUT_S)
+            with contextlib.suppress(RayError, ValueError):
+                ray.kill(actor)
+            log.warning("stopped actor %s left by an earlier run of the service", name)
+            stopped += 1
+        for worker in workers.local_workers_alive(self.engine, backend="ray"):
+            workers.update_worker(self.engine, worker.id, status="stopped", stopped_at=utcnow(),
+                                  error="service restarted; worker stopped")
+        self.refresh()
+        return stopped
+
+    def open(self) -> None:
+        """Start watching the cluster (inside the event loop)."""
+        self._ensure_watching()
+
+    async def close(self) -> None:
+        """Stop watching (the fleet has stopped the servers)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+
+    # ------------------------------------------------------------ watching
+
+    def _ensure_watching(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self.watch())
+
+    async def watch(self) -> None:
+        """Every ``WATCH_S``: the nodes, and whether each server's process still runs. An
+        actor whose node left the cluster, or that died, ends its server's process."""
+        while True:
+            try:
+                await asyncio.to_thread(self.refresh)
+                alive = {n["id"] for n in self._nodes}
+                procs = [p for p in self._procs.values() if p.returncode is None and p.pid]
+                futures: list[Future[Any]] = [p.actor.poll.remote().future() for p in procs]
+                for process, future in zip(procs, futures, strict=True):
+                    node = process.node
+                    where = f"Ray node {node.get('id')} ({node.get('address')})"
+                    if node.get("id") not in alive:
+                        process.ended(LOST, f"its {where} left the cluster")
+                        continue
+                    try:
+                        code = await asyncio.wait_for(asyncio.wrap_future(future), ASK_TIMEOUT_S)
+                    except (RayError, TimeoutError) as exc:
+                        process.ended(LOST, f"its actor on {where} was lost ({type(exc).__name__})")
+                        continue
+                    if code is not None:
+                        process.ended(int(code))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("watching the Ray servers failed; trying again")
+            await asyncio.sleep(WATCH_S)
