@@ -72,6 +72,8 @@ WATCH_S = 0.5
 ASK_TIMEOUT_S = 10.0
 # The exit code a server gets when its actor is gone without saying one.
 LOST = -int(signal.SIGKILL)
+# How long the service waits for the cluster's address to answer at start.
+CONNECT_TIMEOUT_S = 5.0
 # prctl option: the signal a child gets when the thread that started it exits.
 PR_SET_PDEATHSIG = 1
 
@@ -168,10 +170,16 @@ class RayProcess:
     def poll(self) -> int | None:
         return self.returncode
 
+    def where(self) -> str:
+        return f"Ray node {self.node.get('id')} ({self.node.get('address')})"
+
     def ended(self, code: int, why: str | None = None) -> None:
+        """The server's process ended (``why``: more than its exit code is known). The
+        reason always names the node: a node going away often shows first as its
+        processes ending, before the cluster has marked the node dead."""
         if self.returncode is None:
             self.returncode = code
-            self.gone = why
+            self.gone = why or f"on {self.where()}, exit code {code}"
 
     def tail(self) -> str:
         """The server's last log lines, read on its node (blocking; from a thread)."""
@@ -183,12 +191,29 @@ class RayProcess:
         return self.last_tail
 
 
+def unreachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why nothing answers at a ``HOST:PORT`` or ``ray://HOST:PORT`` address (a TCP
+    connect), or None. ``ray.init`` itself retries an address where nothing listens for
+    minutes; this says it in seconds. (``auto`` is Ray's to find: it fails fast.)"""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"nothing answers at {host}:{port} ({exc.strerror or type(exc).__name__})"
+
+
 def connect(settings: Settings) -> None:
     """Join the cluster at ``ray_address`` in the service's namespace, once. Never starts
     a Ray head (nor its dashboard): ``ray.init`` with an address only connects. Raises
-    ``ConnectionError`` (with Ray's reason) when the cluster cannot be reached."""
+    ``ConnectionError`` (with the reason) when the cluster cannot be reached."""
     if ray.is_initialized():
         return
+    assert settings.ray_address
+    if (why := unreachable(settings.ray_address)) is not None:
+        raise ConnectionError(f"cannot reach the Ray cluster at {settings.ray_address}: {why}")
     try:
         ray.init(address=settings.ray_address, namespace=settings.ray_namespace,
                  log_to_driver=False, logging_level=logging.WARNING)
@@ -370,7 +395,7 @@ class RayServers:
                                     self.settings.worker_stop_grace_s + ASK_TIMEOUT_S)
             with contextlib.suppress(RayError, ValueError):
                 ray.kill(process.actor)
-            process.ended(0)
+            process.ended(0, "stopped by the service")
         await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status=status,
                                 stopped_at=utcnow(), error=error)
         log.info("worker %s %s", handle.id, status)
@@ -431,15 +456,13 @@ class RayServers:
                 procs = [p for p in self._procs.values() if p.returncode is None and p.pid]
                 futures: list[Future[Any]] = [p.actor.poll.remote().future() for p in procs]
                 for process, future in zip(procs, futures, strict=True):
-                    node = process.node
-                    where = f"Ray node {node.get('id')} ({node.get('address')})"
-                    if node.get("id") not in alive:
-                        process.ended(LOST, f"its {where} left the cluster")
+                    if process.node.get("id") not in alive:
+                        process.ended(LOST, f"its {process.where()} left the cluster")
                         continue
                     try:
                         code = await asyncio.wait_for(asyncio.wrap_future(future), ASK_TIMEOUT_S)
                     except (RayError, TimeoutError) as exc:
-                        process.ended(LOST, f"its actor on {where} was lost ({type(exc).__name__})")
+                        process.ended(LOST, f"its actor on {process.where()} was lost ({type(exc).__name__})")
                         continue
                     if code is not None:
                         process.ended(int(code))

@@ -1,0 +1,60 @@
+"""One real vLLM CPU server through the Ray backend: it generates what the same run
+generates on the local backend, and its connector's pull and reports reach the service.
+
+The cluster (``ray.cluster_utils.Cluster``, one node of CPUs only) is this module's own:
+a cluster without GPUs places servers by CPUs (``ray_server_cpus``). The server listens
+on 127.0.0.1 (every node is this machine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from tests.conftest import make_client, wait_finished, wait_for
+
+pytestmark = pytest.mark.e2e
+
+NAMESPACE = "decodebench-test-vllm"
+SPEC: dict[str, Any] = {"input_len": 1024, "output_len": 16, "num_prompts": 3, "max_concurrency": 1,
+                        "seed": 11, "fill": {"mean": 0.7}}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    made.wait_for_nodes()
+    ray.init(address=made.address, namespace=NAMESPACE, log_to_driver=False)
+    yield made
+    ray.shutdown()
+    made.shutdown()
+
+
+def _run_texts(tmp_path: Path, **settings: Any) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """A fill run on a real vLLM server: its generated texts, the run, and its server."""
+    with make_client(tmp_path, vllm_command=None, worker_start_timeout_s=300, **settings) as client:
+        run_id = client.post("/api/runs", json=SPEC).json()["id"]
+        done = wait_finished(client, run_id, timeout=600)
+        assert done["status"] == "succeeded", done["error"]
+        # The connector's report arrives about once a second after its last request.
+        done = wait_for(client, run_id, lambda r: r["connector"].get("requests_filled") == 3, timeout=30)
+        samples = client.get(f"/api/runs/{run_id}/requests").json()
+        worker = client.get(f"/api/workers/{done['worker_id']}").json()
+    return [s["generated_text"] for s in sorted(samples, key=lambda s: s["index"])], done, worker
+
+
+def test_a_vllm_server_on_ray_generates_what_a_local_one_does(cluster: Cluster, tmp_path: Path) -> None:
+    on_ray, run, worker = _run_texts(tmp_path / "ray", ray_address=cluster.address, ray_namespace=NAMESPACE,
+                                     ray_server_host="127.0.0.1", ray_server_cpus=1.0)
+    assert worker["backend"] == "ray" and worker["node"]["id"]
+    # The connector pulled this run's values from the service and reported what it filled.
+    assert run["connector"]["pulls"] >= 1
+    assert run["connector"]["filled_requests"] == 3 and run["connector"]["other_requests"] == 0
+    local, _, local_worker = _run_texts(tmp_path / "local")
+    assert local_worker["backend"] == "local"
+    assert on_ray == local and all(on_ray)
