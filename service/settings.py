@@ -68,6 +68,13 @@ class Settings(BaseSettings):
     # when the service starts and every minute (``service.storage.logs``). At least the 10 the
     # index page lists, so a failure shown there still has its log.
     worker_logs_kept: int = Field(default=50, ge=10)
+    # A Ray cluster to run servers and load drivers on ("auto", "HOST:6379" or
+    # "ray://HOST:10001"); unset: local processes, and Ray is never imported.
+    ray_address: str | None = None
+    # The Ray namespace of this service's named actors, where a restart finds an earlier life's.
+    ray_namespace: str = "decodebench"
+    # CPUs a server actor asks for on a cluster without GPUs (with GPUs it asks for its TP size).
+    ray_server_cpus: float = Field(default=1.0, gt=0)
 
     @field_validator("data_dir")
     @classmethod
