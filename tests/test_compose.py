@@ -26,8 +26,9 @@ from tests.conftest import make_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
-GPU, CPU = "decodebench", "decodebench-cpu"
-SERVICES = (GPU, CPU)
+GPU, CPU, RAY = "decodebench", "decodebench-cpu", "decodebench-ray"
+SERVICES = (GPU, CPU, RAY)  # those that run the service
+HEAD = "ray-head"  # the Ray head of profile `ray`: not the service, the node its servers run on
 VOLUME = "decodebench-data"
 PREFIX = Settings.model_config["env_prefix"]
 HOST_ENV = {"DECODEBENCH_API_TOKEN": "chosen-on-host", "HF_TOKEN": "hf-on-host"}
@@ -92,7 +93,8 @@ def test_schema_rejects_a_broken_copy(good: str, bad: str, tmp_path: Path) -> No
     assert _schema_errors(_load(tmp_path / "compose.yaml"))
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "cpu"]], ids=["default", "cpu"])
+@pytest.mark.parametrize("profile", [[], ["--profile", "cpu"], ["--profile", "ray"]],
+                         ids=["default", "cpu", "ray"])
 def test_compose_cli_resolves_the_file_as_this_test_reads_it(profile: list[str]) -> None:
     clis = [cli for cli in (["docker", "compose"], ["docker-compose"]) if shutil.which(cli[0])
             and subprocess.run([*cli, "version"], capture_output=True, timeout=30).returncode == 0]
@@ -109,14 +111,18 @@ def test_compose_cli_resolves_the_file_as_this_test_reads_it(profile: list[str])
 
 
 def test_tokens_set_on_the_host_reach_every_service() -> None:
-    assert all(HOST_ENV.items() <= s["environment"].items() for s in _load(**HOST_ENV)["services"].values())
+    services = _load(**HOST_ENV)["services"]
+    assert all(HOST_ENV.items() <= services[name]["environment"].items() for name in SERVICES)
+    # The Ray head serves the models, so it needs the hub token, never the service's.
+    assert services[HEAD]["environment"]["HF_TOKEN"] == HOST_ENV["HF_TOKEN"]
+    assert not any(key.startswith(PREFIX) for key in services[HEAD]["environment"])
 
 
-@pytest.mark.parametrize("profile, started", [(None, GPU), ("cpu", CPU)])
-def test_plain_up_and_profile_cpu_each_start_one_service(profile: str | None, started: str) -> None:
+@pytest.mark.parametrize("profile, started", [(None, [GPU]), ("cpu", [CPU]), ("ray", [RAY, HEAD])])
+def test_plain_up_and_each_profile_start_their_own_alone(profile: str | None, started: list[str]) -> None:
     active = set((profile or _dotenv()["COMPOSE_PROFILES"]).split(","))
     services = _load()["services"].items()
-    assert [n for n, s in services if not s.get("profiles") or active & set(s["profiles"])] == [started]
+    assert [n for n, s in services if not s.get("profiles") or active & set(s["profiles"])] == started
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -148,10 +154,49 @@ def test_data_dir_and_model_cache_are_on_the_named_volume(name: str) -> None:
     assert _load()["volumes"][VOLUME]["name"] == VOLUME  # the same volume whatever the project name
 
 
-def test_gpu_service_reserves_every_nvidia_gpu_and_cpu_service_none() -> None:
-    devices = _service(GPU)["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
-    assert not {"deploy", "gpus", "runtime"} & set(_service(CPU))
+def test_gpu_service_and_ray_head_reserve_every_nvidia_gpu_and_the_others_none() -> None:
+    for name in (GPU, HEAD):
+        devices = _service(name)["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}], name
+    # The Ray backend's service starts no vLLM itself: its servers run on the Ray nodes.
+    for name in (CPU, RAY):
+        assert not {"deploy", "gpus", "runtime"} & set(_service(name)), name
+
+
+def _ray_start_options(command: list[str]) -> dict[str, str]:
+    """``--name=value`` options of a ``ray start`` command line."""
+    return dict(arg.removeprefix("--").partition("=")[::2] for arg in command if arg.startswith("--"))
+
+
+def test_ray_head_publishes_nothing_and_keeps_its_dashboard_on_loopback() -> None:
+    head = _service(HEAD)
+    assert [*head["entrypoint"], *head["command"][:2]] == ["ray", "start", "--head"]
+    options = _ray_start_options(head["command"])
+    # GCS, client server, object store: on the Compose network only.
+    assert "ports" not in head and "network_mode" not in head
+    assert options.get("include-dashboard") == "false" or options["dashboard-host"] == "127.0.0.1", options
+    assert "block" in options  # the container lives as long as the head
+
+
+def test_ray_service_joins_the_head_and_gives_its_servers_its_compose_name() -> None:
+    settings, head = _settings(RAY), _service(HEAD)
+    gcs = f"{HEAD}:{_ray_start_options(head['command'])['port']}"
+    assert settings.ray_address == gcs
+    assert head["healthcheck"]["test"][-2:] == ["--address", gcs]
+    assert _service(RAY)["depends_on"] == {HEAD: {"condition": "service_healthy"}}
+    # It becomes a Ray node with nothing to place there, then the service (the image's own command).
+    start = _service(RAY)["command"][0].split()
+    assert start[:2] == ["ray", "start"] and _ray_start_options(start)["address"] == gcs
+    assert {"--num-cpus=0", "--num-gpus=0"} <= set(start)
+    assert start[-4:] == ["exec", "python3", "-m", "service"]
+    assert settings.control_base_url() == f"http://{RAY}:{settings.port}"
+
+
+def test_ray_head_runs_the_services_image() -> None:
+    assert _service(HEAD)["image"] == _service(RAY)["image"]
+    assert _service(HEAD)["build"] == _service(RAY)["build"]
+    assert _service(RAY)["build"]["args"]["EXTRAS"] == "ray"
+    assert 'ARG EXTRAS=""' in _dockerfile(RAY).read_text()
 
 
 @pytest.mark.parametrize("name", SERVICES)
