@@ -73,6 +73,9 @@ def test_a_sweep_runs_one_server_per_gpu_across_nodes(cluster: Cluster, tmp_path
         assert len({node for node, _ in servers}) == GPU_NODES
         assert len({(node, tuple(s["gpu_ids"])) for node, s in servers}) == 4
         assert all(len(s["gpu_ids"]) == 1 for _, s in servers)
+        # The index page shows the cluster: every node with its servers.
+        page = client.get("/").text
+        assert "Ray cluster" in page and all(s["id"] in page for _, s in servers)
         runs = [wait_finished(client, run_id) for run_id in ids]
         assert [r["status"] for r in runs] == ["succeeded"] * 4, [r["error"] for r in runs]
         workers = {w["id"]: w for w in client.get("/api/workers").json()}

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
+import anyio.from_thread
 import numpy as np
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
@@ -23,7 +24,7 @@ from service.storage import measurements, store, sweeps, workers
 from service.storage.logs import log_tail
 from service.storage.tables import Run
 from service.web import charts
-from service.web.deps import DB
+from service.web.deps import DB, Sched
 from service.web.pages.render import PAGE, aware, between, failure_cause, spec_facts, templates
 
 router = APIRouter(dependencies=PAGE, include_in_schema=False)
@@ -80,6 +81,7 @@ RECENT_ENDED_WORKERS = 10
 def index(
     request: Request,
     engine: DB,
+    scheduler: Sched,
     status: RunStatus | None = None,
     model: Annotated[str | None, Query(max_length=512)] = None,
     page: Annotated[int, Query(ge=1, le=100_000)] = 1,
@@ -88,6 +90,10 @@ def index(
     runs, total = store.list_runs(
         engine, status.value if status else None, model or None, PAGE_SIZE, (page - 1) * PAGE_SIZE
     )
+    settings = request.app.state.settings
+    # On a cluster, where things run; read on the event loop, where the fleet lives.
+    cluster = (anyio.from_thread.run_sync(scheduler.fleet.cluster)
+               if settings.ray_address and page == 1 else None)
     return templates.TemplateResponse(
         request,
         "index.html",
@@ -102,6 +108,7 @@ def index(
             "sweeps": sweeps.list_sweeps(engine, 10) if page == 1 else [],
             "workers": workers.active_workers(engine) if page == 1 else [],
             "ended_workers": workers.ended_workers(engine, RECENT_ENDED_WORKERS) if page == 1 else [],
+            "cluster": cluster,
         },
     )
 
