@@ -9,6 +9,8 @@ or torch; ``connector`` never imports ``service``.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,18 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     bad.write_text("def f():\n    from service.web.errors import shown\n")
     layers = [layer_of(m) for _, m in imports(bad)]
     assert layers == ["web"] and rank("web") > rank("storage")
+
+
+def test_ray_is_not_imported_without_a_ray_address(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tests.conftest import make_client\n"
+        "with make_client(Path(sys.argv[1])) as client:\n"
+        "    assert client.get('/api/cluster').json()['backend'] == 'local'\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
