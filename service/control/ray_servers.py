@@ -72,6 +72,8 @@ WATCH_S = 0.5
 ASK_TIMEOUT_S = 10.0
 # The exit code a server gets when its actor is gone without saying one.
 LOST = -int(signal.SIGKILL)
+# How many times a server actor that died before it ran is placed again.
+PLACE_TRIES = 3
 # How long the service waits for the cluster's address to answer at start.
 CONNECT_TIMEOUT_S = 5.0
 # prctl option: the signal a child gets when the thread that started it exits.
@@ -280,16 +282,8 @@ class RayServers:
         self._ensure_watching()
         worker_id = new_id("w")
         token = secrets.token_urlsafe(32)
-        tp = spec.engine.tensor_parallel_size
         on_gpu = self._has_gpus()
-        remote = ray.remote(ServerHost).options(  # type: ignore[attr-defined]
-            name=f"{SERVER_PREFIX}{worker_id}", namespace=self.settings.ray_namespace,
-            lifetime="detached", max_restarts=0, max_concurrency=1,
-            num_gpus=tp if on_gpu else 0,
-            num_cpus=0 if on_gpu else self.settings.ray_server_cpus * tp,
-        )
-        actor = remote.remote(worker_id)
-        process = RayProcess(actor, worker_id)
+        process = RayProcess(self._actor(spec, worker_id, on_gpu, 1), worker_id)
         self._procs[worker_id] = process
         # Held before any await: a run cancelled while its server starts leaves nothing
         # on the cluster that nobody holds. The URL is known once Ray has placed it.
@@ -310,20 +304,48 @@ class RayServers:
         log.info("worker %s ready at %s on node %s", worker_id, handle.url, (handle.node or {}).get("id"))
         return handle
 
+    def _actor(self, spec: RunSpec, worker_id: str, on_gpu: bool, attempt: int) -> Any:
+        """A new server actor; Ray places it on a node with the GPUs (or CPUs) it asks for."""
+        tp = spec.engine.tensor_parallel_size
+        name = f"{SERVER_PREFIX}{worker_id}" + (f".{attempt}" if attempt > 1 else "")
+        remote = ray.remote(ServerHost).options(  # type: ignore[attr-defined]
+            name=name, namespace=self.settings.ray_namespace, lifetime="detached", max_restarts=0,
+            max_concurrency=1, num_gpus=tp if on_gpu else 0,
+            num_cpus=0 if on_gpu else self.settings.ray_server_cpus * tp,
+        )
+        return remote.remote(worker_id)
+
+    async def _placed(self, spec: RunSpec, process: RayProcess, on_gpu: bool) -> dict[str, Any]:
+        """Where the server's actor landed. An actor that died before it ran (Ray placed it
+        on a node that was dying, before the cluster knew) is made again, up to
+        ``PLACE_TRIES`` times."""
+        timeout = self.settings.worker_start_timeout_s
+        for attempt in range(1, PLACE_TRIES + 1):
+            if attempt > 1:
+                process.actor = self._actor(spec, process.worker_id, on_gpu, attempt)
+            try:
+                return dict(await self._ask(process.actor.where.remote(), timeout))
+            except TimeoutError:
+                raise WorkerError(
+                    f"no Ray node took a server with {spec.engine.tensor_parallel_size} "
+                    f"{'GPU' if on_gpu else 'CPU slot'}(s) within {timeout:.0f} s"
+                ) from None
+            except RayError as exc:
+                log.warning("worker %s: its actor died before it ran (%s); placing it again",
+                            process.worker_id, type(exc).__name__)
+                with contextlib.suppress(RayError, ValueError):
+                    ray.kill(process.actor)
+                await asyncio.sleep(WATCH_S)
+        raise WorkerError(f"Ray could not place the server: its actor died {PLACE_TRIES} times before it ran")
+
     async def _ask(self, ref: Any, timeout: float = ASK_TIMEOUT_S) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
 
     async def _start(self, spec: RunSpec, handle: WorkerHandle, process: RayProcess, token: str,
                      on_gpu: bool) -> None:
-        actor = process.actor
         deadline = time.monotonic() + self.settings.worker_start_timeout_s
-        try:
-            where = await self._ask(actor.where.remote(), self.settings.worker_start_timeout_s)
-        except TimeoutError:
-            raise WorkerError(
-                f"no Ray node took a server with {spec.engine.tensor_parallel_size} "
-                f"{'GPU' if on_gpu else 'CPU slot'}(s) within {self.settings.worker_start_timeout_s:.0f} s"
-            ) from None
+        where = await self._placed(spec, process, on_gpu)
+        actor = process.actor
         node = {"id": where["id"], "address": where["address"], "gpu_ids": where["gpu_ids"]}
         process.node = handle.node = node
         host = self.settings.ray_server_host or where["address"]
