@@ -68,6 +68,13 @@ class Settings(BaseSettings):
     # when the service starts and every minute (``service.storage.logs``). At least the 10 the
     # index page lists, so a failure shown there still has its log.
     worker_logs_kept: int = Field(default=50, ge=10)
+    # A Ray cluster for servers and load drivers ("auto", "ray://host:10001", ...); None:
+    # everything runs on this machine and Ray is never imported.
+    ray_address: str | None = None
+    # The Ray namespace of the service's named actors (driver hosts, servers).
+    ray_namespace: str = "decodebench"
+    # CPUs a server actor reserves on its node.
+    ray_server_cpus: float = Field(default=1.0, gt=0)
 
     @field_validator("data_dir")
     @classmethod

@@ -9,6 +9,9 @@ or torch; ``connector`` never imports ``service``.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,12 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     bad.write_text("def f():\n    from service.web.errors import shown\n")
     layers = [layer_of(m) for _, m in imports(bad)]
     assert layers == ["web"] and rank("web") > rank("storage")
+
+
+def test_the_default_path_never_imports_ray() -> None:
+    # Ray is an extra (``pip install .[ray]``) for a service with ``ray_address`` set; the
+    # service without it must not need it, nor pay for its import.
+    code = "import sys, service.app, service.__main__; sys.exit('ray' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert done.returncode == 0, done.stderr or "service.app imported ray"

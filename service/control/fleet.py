@@ -94,7 +94,8 @@ class ServerBackend(Protocol):
 
 class DriverBackend(Protocol):
     """Where the load drivers of runs run (``service.load.shards.DriverPool``: processes
-    on this machine)."""
+    on this machine; ``service.load.ray_drivers.RayDriverBackend``: on a Ray cluster's
+    nodes, imported only when the service has one)."""
 
     def start(self) -> None:
         """Get ready for runs (inside the event loop)."""
@@ -105,8 +106,10 @@ class DriverBackend(Protocol):
         ...
 
     def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
-                    vocab_size: int | None, request_timeout_s: float, hang_s: float) -> LoadDrivers:
-        """The drivers of one run against the server at ``base_url``."""
+                    vocab_size: int | None, request_timeout_s: float, hang_s: float, *,
+                    node_id: str | None = None) -> LoadDrivers:
+        """The drivers of one run against the server at ``base_url``; ``node_id`` is the
+        server's Ray node, where a backend that places drivers puts them (None: unknown)."""
         ...
 
 
