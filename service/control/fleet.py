@@ -117,7 +117,8 @@ class ServerBackend(Protocol):
 
 class DriverBackend(Protocol):
     """Where the load drivers of runs run (``service.load.shards.DriverPool``: processes
-    on this machine)."""
+    on this machine; ``service.load.ray_drivers.RayDriverBackend``: on a Ray cluster's
+    nodes, imported only when the service has one)."""
 
     def start(self) -> None:
         """Get ready for runs (inside the event loop)."""
@@ -128,8 +129,10 @@ class DriverBackend(Protocol):
         ...
 
     def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
-                    vocab_size: int | None, request_timeout_s: float, hang_s: float) -> LoadDrivers:
-        """The drivers of one run against the server at ``base_url``."""
+                    vocab_size: int | None, request_timeout_s: float, hang_s: float, *,
+                    node_id: str | None = None) -> LoadDrivers:
+        """The drivers of one run against the server at ``base_url``; ``node_id`` is the
+        server's Ray node, where a backend that places drivers puts them (None: unknown)."""
         ...
 
 
@@ -339,7 +342,8 @@ class Fleet(RegisteredServers):
         backend has nodes)."""
         drivers = self.driver_pool.drivers_for(run_id, spec, handle.url, handle.served_model,
                                                handle.vocab_size, self.settings.request_timeout_s,
-                                               self.settings.driver_hang_s)
+                                               self.settings.driver_hang_s,
+                                               node_id=(handle.node or {}).get("id"))
         self._drivers[run_id] = drivers
         return drivers
 

@@ -199,7 +199,7 @@ class LocalServers:
 
     async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
         """Stop the worker's whole process group: SIGTERM, then SIGKILL after the grace period."""
-        assert handle.process is not None, "only started workers are stopped here"
+        assert isinstance(handle.process, subprocess.Popen), "only workers started here are stopped here"
         self.tokens.pop(handle.id, None)
         await asyncio.to_thread(stop_process_group, handle.process, self.settings.worker_stop_grace_s)
         await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status=status,
@@ -208,7 +208,7 @@ class LocalServers:
 
     async def bury(self, handle: WorkerHandle, error: str) -> None:
         """Record that a worker died on its own; its group is still stopped."""
-        assert handle.process is not None, "only started workers are buried here"
+        assert isinstance(handle.process, subprocess.Popen), "only workers started here are buried here"
         self.tokens.pop(handle.id, None)
 
         def bury(process: subprocess.Popen[bytes]) -> None:

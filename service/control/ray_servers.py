@@ -102,7 +102,7 @@ class ServerHost:
         model can be written."""
         context = ray.get_runtime_context()
         gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        return {"id": context.get_node_id(), "address": ray.util.get_node_ip_address(),
+        return {"id": context.get_node_id(), "address": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
                 "gpu_ids": gpu_ids, "models_dir": str(self.dir / "models")}
 
     def free_port(self, address: str) -> int:
@@ -228,7 +228,7 @@ def connect(settings: Settings) -> None:
 def cluster_nodes() -> list[dict[str, Any]]:
     """The nodes Ray reports that are alive: id, address, CPUs, GPUs (blocking)."""
     nodes = []
-    for node in ray.nodes():
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
         if not node.get("Alive"):
             continue
         resources = node.get("Resources") or {}
@@ -308,7 +308,7 @@ class RayServers:
         """A new server actor; Ray places it on a node with the GPUs (or CPUs) it asks for."""
         tp = spec.engine.tensor_parallel_size
         name = f"{SERVER_PREFIX}{worker_id}" + (f".{attempt}" if attempt > 1 else "")
-        remote = ray.remote(ServerHost).options(  # type: ignore[attr-defined]
+        remote = ray.remote(ServerHost).options(
             name=name, namespace=self.settings.ray_namespace, lifetime="detached", max_restarts=0,
             max_concurrency=1, num_gpus=tp if on_gpu else 0,
             num_cpus=0 if on_gpu else self.settings.ray_server_cpus * tp,

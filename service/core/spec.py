@@ -229,6 +229,9 @@ class RunSpec(Strict):
     repeats: Int = Field(default=1, ge=1, le=MAX_REPEATS)
     ramp_up: RampUpSpec | None = None
     stop: StopSpec | None = None
+    # Over how many nodes the run's driver shards are spread (Ray backend only; 1: all on
+    # the node of the run's server).
+    driver_nodes: Int = Field(default=1, ge=1, le=64)
 
     @classmethod
     def stored(cls, data: dict[str, Any]) -> RunSpec:

@@ -25,7 +25,9 @@ the streams.
 
 Clock: every shard and the service use ``time.perf_counter``, which on Linux is
 ``CLOCK_MONOTONIC``, one clock for all processes of the machine; so the samples of all
-shards of a run, and ``t0``, are on the same time line.
+shards of a run, and ``t0``, are on the same time line. Shards on other hosts (a Ray
+cluster) time on their host's clock; ``service.load.ray_drivers`` measures each host's
+offset and moves their instants onto the service's clock.
 
 Shards split the requests round-robin by position and the concurrency limit as evenly
 as it goes; each keeps its share of the one seeded schedule.

@@ -112,8 +112,10 @@ class DriverPool:
         return proc, target
 
     def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
-                    vocab_size: int | None, request_timeout_s: float, hang_s: float) -> Drivers:
-        """The driver processes of one run, taken from this pool."""
+                    vocab_size: int | None, request_timeout_s: float, hang_s: float, *,
+                    node_id: str | None = None) -> Drivers:
+        """The driver processes of one run, taken from this pool (all on this machine:
+        ``node_id``, the server's Ray node, is for backends that place drivers)."""
         return Drivers.for_run(run_id, spec, base_url, served_model, vocab_size, request_timeout_s,
                                self, hang_s)
 
@@ -148,16 +150,37 @@ async def _stop_processes(procs: list[asyncio.subprocess.Process]) -> None:
             await proc.wait()
 
 
-class Drivers:
-    """The driver processes of one run, as the service sees them."""
+def run_configs(run_id: str, spec: RunSpec, base_url: str, served_model: str,
+                vocab_size: int | None, request_timeout_s: float, at_least: int = 1) -> list[DriverConfig]:
+    """The configs of one run's shards: ``shard_count`` of them, or ``at_least``."""
+    # With a stop rule the plan holds the most requests the run may send; a shard
+    # stops early when told to, or at its time box.
+    shape = LoadShape.of(spec).model_copy(update={"num_prompts": spec.prompt_budget()})
+    duration_s = spec.stop.duration_s if spec.stop is not None else None
+    n = max(at_least, shard_count(shape))
+    return [
+        DriverConfig(run_id=run_id, spec=shape, base_url=base_url,
+                     served_model=served_model, vocab_size=vocab_size,
+                     request_timeout_s=request_timeout_s, shard=k, shards=n,
+                     duration_s=duration_s)
+        for k in range(n)
+    ]
 
-    def __init__(self, configs: list[DriverConfig], pool: DriverPool, hang_s: float) -> None:
+
+# Fields of a sample and of a beat that are instants on the driver's clock (the others
+# are spans): moved onto the service's clock when the driver's clock is another host's.
+SAMPLE_TIMES = ("start_time", "due_time", "sent_time")
+BEAT_TIMES = ("t", "last_data", "oldest_open")
+
+
+class ShardedRun:
+    """What the service knows of one run's shards from the lines they sent, wherever they
+    run (``Drivers`` here, ``service.load.ray_drivers.RayDrivers`` on a Ray cluster)."""
+
+    def __init__(self, configs: list[DriverConfig], hang_s: float) -> None:
         self.configs = configs
-        self.pool = pool
         # A shard silent for this long (no beat, no sample) has hung.
         self.hang_s = hang_s
-        self.log_paths: list[Path] = []
-        self.procs: list[asyncio.subprocess.Process] = []
         # Every beat of every shard: ``{"t", "cpu", "lag_ms", "shard"}``.
         self.beats: list[dict[str, float]] = []
         # Which stop rule ended the sending, as the shards reported it ("duration"), or as
@@ -165,9 +188,13 @@ class Drivers:
         self.stopped_rule: str | None = None
         # Measured requests the shards sent (known once they are done).
         self.sent = 0
-        # Per shard, from its latest beat (``time.perf_counter``, one clock for every
-        # process here).
+        # Per shard, from its latest beat (on the service's clock).
         self.progress: dict[int, Progress] = {}
+        # Each shard's duration, from its ``done`` line.
+        self.durations: list[float] = []
+        self._ready: set[int] = set()
+        # Set once every shard has done its warmup: the schedule may start.
+        self.all_ready = asyncio.Event()
 
     @property
     def placement(self) -> list[dict[str, Any]]:
@@ -191,23 +218,57 @@ class Drivers:
         known_until = min(p.t for p in shards)
         return open_now, max(0.0, known_until - since)
 
+    def take(self, shard: int, message: dict[str, Any], on_sample: Callable[[Sample], None],
+             offset: float = 0.0) -> None:
+        """Act on one line of ``shard``; ``offset`` is its clock minus the service's."""
+        kind = message.get("kind")
+        if kind == "sample":
+            sample = message["sample"]
+            if offset:
+                for name in SAMPLE_TIMES:
+                    if sample.get(name) is not None:
+                        sample[name] -= offset
+            on_sample(Sample(**sample))
+        elif kind == "ready":
+            self._ready.add(shard)
+            if len(self._ready) == len(self.configs):
+                self.all_ready.set()
+        elif kind == "done":
+            self.durations.append(float(message["duration"]))
+            self.sent += int(message.get("sent", 0))
+        elif kind == "stopped":
+            # Every shard has the same time box from the same t0: each stops itself.
+            if self.stopped_rule is None:
+                self.stopped_rule = str(message["rule"])
+        elif kind == "beat" and "cpu" in message:
+            if offset:
+                for name in BEAT_TIMES:
+                    if message.get(name) is not None:
+                        message[name] -= offset
+            self.beats.append({"t": float(message["t"]), "cpu": float(message["cpu"]),
+                               "lag_ms": float(message["lag_ms"]), "shard": shard})
+            oldest = message.get("oldest_open")
+            self.progress[shard] = Progress(
+                int(message["open"]), float(message["last_data"]),
+                None if oldest is None else float(oldest), float(message["t"]))
+
+
+class Drivers(ShardedRun):
+    """The driver processes of one run, as the service sees them."""
+
+    def __init__(self, configs: list[DriverConfig], pool: DriverPool, hang_s: float) -> None:
+        super().__init__(configs, hang_s)
+        self.pool = pool
+        self.log_paths: list[Path] = []
+        self.procs: list[asyncio.subprocess.Process] = []
+
     @classmethod
     def for_run(cls, run_id: str, spec: RunSpec, base_url: str, served_model: str,
                 vocab_size: int | None, request_timeout_s: float, pool: DriverPool,
                 hang_s: float) -> Drivers:
         """The shards of one run (``shard_count`` of them)."""
-        # With a stop rule the plan holds the most requests the run may send; a shard
-        # stops early when told to, or at its time box.
-        shape = LoadShape.of(spec).model_copy(update={"num_prompts": spec.prompt_budget()})
-        duration_s = spec.stop.duration_s if spec.stop is not None else None
-        n = shard_count(shape)
-        return cls([
-            DriverConfig(run_id=run_id, spec=shape, base_url=base_url,
-                         served_model=served_model, vocab_size=vocab_size,
-                         request_timeout_s=request_timeout_s, shard=k, shards=n,
-                         duration_s=duration_s)
-            for k in range(n)
-        ], pool, hang_s)
+        return cls(run_configs(run_id, spec, base_url, served_model, vocab_size, request_timeout_s),
+                   pool, hang_s)
 
     async def stop_sending(self, rule: str) -> None:
         """Tell every shard to send no more requests (those sent finish and count)."""
@@ -229,32 +290,8 @@ class Drivers:
         sample to ``on_sample`` as it arrives; return the run's duration (s). Raises
         ``DriverError`` if a shard dies or hangs. Cancelling stops the shards; samples
         they sent before that are handed on first."""
-        ready: set[int] = set()
-        all_ready = asyncio.Event()
-        durations: list[float] = []
-
         def handle(shard: int, message: dict[str, Any]) -> None:
-            kind = message.get("kind")
-            if kind == "sample":
-                on_sample(Sample(**message["sample"]))
-            elif kind == "ready":
-                ready.add(shard)
-                if len(ready) == len(self.configs):
-                    all_ready.set()
-            elif kind == "done":
-                durations.append(float(message["duration"]))
-                self.sent += int(message.get("sent", 0))
-            elif kind == "stopped":
-                # Every shard has the same time box from the same t0: each stops itself.
-                if self.stopped_rule is None:
-                    self.stopped_rule = str(message["rule"])
-            elif kind == "beat" and "cpu" in message:
-                self.beats.append({"t": float(message["t"]), "cpu": float(message["cpu"]),
-                                   "lag_ms": float(message["lag_ms"]), "shard": shard})
-                oldest = message.get("oldest_open")
-                self.progress[shard] = Progress(
-                    int(message["open"]), float(message["last_data"]),
-                    None if oldest is None else float(oldest), float(message["t"]))
+            self.take(shard, message, on_sample)
 
         try:
             for config in self.configs:
@@ -266,7 +303,7 @@ class Drivers:
                 await proc.stdin.drain()
 
             async def go() -> None:
-                await all_ready.wait()
+                await self.all_ready.wait()
                 # A moment ahead, so every shard starts the schedule at the same instant.
                 t0 = time.perf_counter() + 0.05
                 for proc in self.procs:
@@ -283,10 +320,10 @@ class Drivers:
                 for reader in readers:
                     reader.cancel()
                 await asyncio.gather(starter, *readers, return_exceptions=True)
-            if len(durations) != len(self.procs):
+            if len(self.durations) != len(self.procs):
                 raise DriverError(f"a load driver ended without finishing its requests; its stderr:\n"
                                   f"{self.stderr_tail()}")
-            return max(durations)
+            return max(self.durations)
         finally:
             await self.stop(handle)
 
