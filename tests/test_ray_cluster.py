@@ -58,14 +58,16 @@ def test_a_sweep_runs_one_server_per_gpu_across_nodes(cluster: Cluster, tmp_path
     for key, value in SLOW.items():
         monkeypatch.setenv(key, value)
     with make_client(tmp_path, **ray_settings(cluster)) as client:
-        sweep = client.post("/api/sweeps", json={"base": RUN, "grid": {"seed": [1, 2, 3, 4]}}).json()
+        sweep = client.post("/api/sweeps", json={"base": RUN, "grid": {"fill.mean": [0.1, 0.2, 0.3, 0.4]}})
+        assert sweep.status_code == 201, sweep.text
+        sweep = sweep.json()
         ids = [r["id"] for r in sweep["runs"]]
         # While they run: four servers at once, two on each node, each with its own GPU.
         deadline = time.monotonic() + 120
         while True:
             view = client.get("/api/cluster").json()
             servers = [(n["id"], s) for n in view["nodes"] for s in n["servers"]]
-            if len(servers) == GPU_NODES * GPUS_PER_NODE:
+            if len(servers) == GPU_NODES * GPUS_PER_NODE and all(s["ready"] for _, s in servers):
                 break
             assert time.monotonic() < deadline, view
             time.sleep(0.1)

@@ -363,7 +363,9 @@ class Fleet(RegisteredServers):
         for handle in [*self.workers.values(), *self._stopping.values()]:
             if handle.external:
                 continue
-            node = handle.node or {"id": "local", "address": "127.0.0.1", "gpu_ids": handle.gpus}
+            # A cluster's server has no node until Ray has placed it.
+            node = handle.node or ({"id": "local", "address": "127.0.0.1", "gpu_ids": handle.gpus}
+                                   if handle.backend == "local" else {"id": "(not placed yet)"})
             on(node["id"], node.get("address"))["servers"].append({
                 "id": handle.id, "model": handle.served_model, "url": handle.url, "ready": handle.ready,
                 "run_id": handle.busy_run, "stopping": handle.id in self._stopping,
