@@ -421,3 +421,12 @@ def test_the_startup_banner_says_where_to_go_and_where_the_token_is_never_the_to
         assert f"http://127.0.0.1:8123{page}" in banner
     chosen = ready_banner(Settings(data_dir=tmp_path / "var", api_token="s3cret-" + "x" * 30))
     assert "DECODEBENCH_API_TOKEN" in chosen and "s3cret" not in chosen
+
+
+def test_driver_nodes_above_one_needs_a_ray_cluster(client: TestClient) -> None:
+    for path, body in (("/api/runs", {"driver_nodes": 2}),
+                       ("/api/sweeps", {"base": {"driver_nodes": 2}, "grid": {"input_len": [16, 32]}})):
+        answer = client.post(path, json=body)
+        assert answer.status_code == 422, answer.text
+        assert "needs a Ray cluster" in answer.json()["detail"]
+    assert client.post("/api/runs", json={"driver_nodes": 1, "num_prompts": 1}).status_code == 201

@@ -52,6 +52,7 @@ def submit_run(
 ) -> Any:
     """Queue a benchmark run."""
     check_model(request, engine, spec.model)
+    check_backend(request, spec)
     run, created = store.create_run(engine, spec, idempotency_key)
     if created:
         scheduler.notify()
@@ -70,6 +71,14 @@ def list_runs(
     """List runs, newest first."""
     runs, total = store.list_runs(engine, status.value if status else None, model, limit, offset)
     return RunList(runs=[RunPublic.of(r) for r in runs], total=total, limit=limit, offset=offset)
+
+
+def check_backend(request: Request, spec: RunSpec) -> None:
+    """A 422 for what only the Ray backend can do, asked of a service without one."""
+    if spec.driver_nodes > 1 and not request.app.state.settings.ray_address:
+        raise Invalid(f"driver_nodes {spec.driver_nodes} spreads the load drivers over several nodes: "
+                      "that needs a Ray cluster (DECODEBENCH_RAY_ADDRESS); this service runs them "
+                      "on its own machine, where driver_nodes must be 1")
 
 
 def check_model(request: Request, engine: Engine, model: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Annotated, Any, Literal
 
@@ -14,7 +15,7 @@ from service.core.sweep import SweepCreate
 from service.storage import sweeps
 from service.web import sweep_view
 from service.web.api.exports import csv_attachment
-from service.web.api.runs import check_model
+from service.web.api.runs import check_backend, check_model
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES
 from service.web.schemas import SweepList, SweepPublic, SweepSummary
@@ -26,6 +27,9 @@ router = APIRouter(responses=ERROR_RESPONSES)
 def submit_sweep(body: SweepCreate, request: Request, engine: DB, scheduler: Sched) -> SweepPublic:
     """Queue one run per point of a grid over a base spec."""
     check_model(request, engine, body.base.model)
+    with contextlib.suppress(ValueError):  # a point that is no valid spec: create_sweep says so
+        for _, spec in body.points():
+            check_backend(request, spec)
     sweep = sweeps.create_sweep(engine, body)
     scheduler.notify()
     return sweep_view.sweep_public(engine, sweep.id)
