@@ -213,7 +213,8 @@ class Scheduler:
                 continue
             placement = self.fleet.reserve(decision)
             run_id = decision.run_id
-            runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement)
+            runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement,
+                            server_free=self.notify)
             self._runners[run_id] = runner
             task = asyncio.create_task(self._execute_placed(runner), name=f"runner-{run_id}")
             self._tasks[run_id] = task
