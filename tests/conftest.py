@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -11,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
@@ -110,6 +112,30 @@ def stub_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ca
     yield start
     for client in clients:
         client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def stub() -> Iterator[str]:
+    """The URL of a stub vLLM server process (a token every 5 ms), stopped at the end."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(TESTS / "stub_vllm.py"), "--port", str(port),
+                             "--served-model-name", "stub"], env={"STUB_TOKEN_INTERVAL_S": "0.005",
+                                                                  "PATH": "/usr/bin:/bin"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "stub did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def wait_for(

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,12 +29,8 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def driver_pids(parent: int | None = None, run_id: str | None = None) -> list[int]:
-    """Load driver processes (``python -m service.load.driver``) that are children of
-    ``parent`` (this process by default) and still run; with ``run_id``, only those
-    driving that run (their stderr goes to the run's driver log), not idle spares."""
-    parent = os.getpid() if parent is None else parent
-    found = []
+def _processes() -> Iterator[tuple[int, int, list[bytes]]]:
+    """(pid, parent pid, argv) of every process still running."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -42,15 +39,35 @@ def driver_pids(parent: int | None = None, run_id: str | None = None) -> list[in
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid != parent or b"service.load.driver" not in argv or not pid_alive(int(entry.name)):
+        if pid_alive(int(entry.name)):
+            yield int(entry.name), ppid, argv
+
+
+def host_pids(parent: int | None = None) -> list[int]:
+    """Warm driver hosts (``python -m service.load.forkserver``) that are children of
+    ``parent`` (this process by default) and still run."""
+    parent = os.getpid() if parent is None else parent
+    return [pid for pid, ppid, argv in _processes() if ppid == parent and b"service.load.forkserver" in argv]
+
+
+def driver_pids(parent: int | None = None, run_id: str | None = None) -> list[int]:
+    """Load driver processes of the service ``parent`` (this process by default) that
+    still run: its ``python -m service.load.driver`` children and the drivers its warm
+    host forked; with ``run_id``, only those driving that run (their stderr goes to the
+    run's driver log), not idle spares."""
+    parent = os.getpid() if parent is None else parent
+    hosts = set(host_pids(parent))
+    found = []
+    for pid, ppid, argv in _processes():
+        if not ((ppid == parent and b"service.load.driver" in argv) or ppid in hosts):
             continue
         if run_id is not None:
             try:
-                if f"{run_id}.driver" not in os.readlink(entry / "fd" / "2"):
+                if f"{run_id}.driver" not in os.readlink(f"/proc/{pid}/fd/2"):
                     continue
             except OSError:
                 continue
-        found.append(int(entry.name))
+        found.append(pid)
     return found
 
 

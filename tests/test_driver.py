@@ -4,13 +4,9 @@ clock across processes."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -19,9 +15,6 @@ from service.core.spec import RunSpec
 from service.load.driver import DriverConfig, shard_concurrency, shard_count
 from service.load.generator import LoadShape, make_plan
 from service.load.shards import DriverPool, Drivers, Progress
-from tests.service_process import _free_port
-
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.mark.parametrize(("spec", "cpus", "shards"), [
@@ -43,29 +36,6 @@ def test_shards_split_the_concurrency_limit_exactly(limit: int, shards: int) -> 
     parts = [shard_concurrency(limit, k, shards) for k in range(shards)]
     assert sum(p or 0 for p in parts) == limit and max(parts) - min(parts) <= 1  # type: ignore[operator]
     assert shard_concurrency(None, 0, shards) is None
-
-
-@pytest.fixture
-def stub() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(TESTS / "stub_vllm.py"), "--port", str(port),
-                             "--served-model-name", "stub"], env={"STUB_TOKEN_INTERVAL_S": "0.005",
-                                                                  "PATH": "/usr/bin:/bin"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "stub did not start"
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_shards_in_separate_processes_follow_one_schedule_on_one_clock(stub: str, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import AUTH, wait_finished, wait_for
-from tests.service_process import ServiceProcess, driver_pids, pid_alive
+from tests.service_process import ServiceProcess, driver_pids, host_pids, pid_alive
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 10, "max_concurrency": 2}
 
@@ -313,13 +313,17 @@ def test_no_driver_outlives_the_service(tmp_path: Path, how: str) -> None:
         assert service.proc is not None
         pids = driver_pids(service.proc.pid)
         assert len(driver_pids(service.proc.pid, run_id)) == 1
+        hosts = host_pids(service.proc.pid)
+        assert len(hosts) == 1  # the warm host the drivers are forked from
         if how == "sigterm":
             service.stop()
         else:
-            service.kill()  # a crash: the driver sees its stdin close and ends
+            # A crash: the host sees its socket close (or its parent die) and ends, and
+            # its drivers with it; a driver also sees its stdin close.
+            service.kill()
         deadline = time.monotonic() + 10
-        while any(pid_alive(pid) for pid in pids):
-            assert time.monotonic() < deadline, "a load driver outlived its service"
+        while any(pid_alive(pid) for pid in [*pids, *hosts]):
+            assert time.monotonic() < deadline, "a load driver or its host outlived the service"
             time.sleep(0.05)
     finally:
         service.stop()

@@ -1,4 +1,4 @@
-"""Workers and drivers stay in the service's session, each leading its own process group.
+"""Workers, drivers and their warm host stay in the service's session, each leading its own process group.
 
 With the kernel's session autogroups (``sched_autogroup_enabled``), a driver in a session
 of its own went unscheduled while the vLLM server's processes in another kept both
@@ -13,7 +13,7 @@ import time
 from fastapi.testclient import TestClient
 
 from tests.conftest import wait_finished
-from tests.service_process import driver_pids
+from tests.service_process import driver_pids, host_pids
 
 
 def test_workers_and_drivers_share_the_services_session(client: TestClient) -> None:
@@ -26,7 +26,9 @@ def test_workers_and_drivers_share_the_services_session(client: TestClient) -> N
     assert os.getpgid(pid) == pid != os.getpgid(0)
     drivers = driver_pids()
     assert drivers, "the service keeps a spare driver ready"
-    for driver in drivers:
+    hosts = host_pids()
+    assert len(hosts) == 1, "the drivers' warm host"
+    for driver in [*drivers, *hosts]:
         assert os.getsid(driver) == os.getsid(0)
         # A spare just spawned makes its group as its first act: give it a moment.
         deadline = time.monotonic() + 10

@@ -2,9 +2,11 @@
 processes that do nothing else: no SQLite, no pages, no connector traffic, no scheduler.
 The service's side of them (starting, feeding, reading, stopping) is ``service.load.shards``.
 
-The service starts ``python -m service.load.driver`` children for a run (one shard per
-``STREAMS_PER_SHARD`` streams, at most one per core) and talks to each over its pipes,
-one JSON object per line:
+The service starts a driver process for each shard of a run (one shard per
+``STREAMS_PER_SHARD`` streams, at most one per core): forked from the warm host
+(``service.load.forkserver``), which runs ``main`` in the child, or, without one,
+``python -m service.load.driver``. It talks to each over its pipes, one JSON object per
+line:
 
 service -> driver (stdin)
     ``DriverConfig``, then ``{"start": t0}`` once every shard is ready: the measured

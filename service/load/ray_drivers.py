@@ -57,7 +57,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.core.sample import Sample
 from service.load.driver import DriverConfig
-from service.load.shards import STOP_WAIT_S, DriverError, DriverPool, ShardedRun, run_configs
+from service.load.shards import (
+    STOP_WAIT_S,
+    DriverError,
+    DriverPool,
+    DriverProcess,
+    ShardedRun,
+    run_configs,
+)
 from service.storage.logs import log_tail
 
 if TYPE_CHECKING:
@@ -92,7 +99,7 @@ def host_name(node_id: str) -> str:
 class _Shard:
     """One shard process on a host, and the lines it wrote that the service lacks."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+    def __init__(self, proc: DriverProcess, log_path: Path) -> None:
         self.proc = proc
         self.log_path = log_path
         self.lines: list[str] = []

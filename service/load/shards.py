@@ -2,7 +2,9 @@
 read and stopped by the service (``Drivers``), and a pool of spares (``DriverPool``).
 
 What a driver process does, and the lines it and the service exchange, is in
-``service.load.driver``; this module holds no timing of its own.
+``service.load.driver``; this module holds no timing of its own. Drivers are forked
+from a warm host (``service.load.forkserver``) that has imported them already; while
+there is none, each is a ``python -m service.load.driver`` process of its own.
 """
 
 from __future__ import annotations
@@ -10,20 +12,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from service.core.sample import Sample
 from service.load.driver import DriverConfig, shard_count
+from service.load.forkserver import DriverHost, HostLost
 from service.load.generator import LoadShape
 from service.storage.logs import log_tail
 
 if TYPE_CHECKING:
     from service.core.spec import RunSpec
+
+log = logging.getLogger(__name__)
 
 # Lines carry a sample's gaps and text: well over asyncio's 64 KiB default.
 LINE_LIMIT = 64 << 20
@@ -33,6 +39,36 @@ STOP_WAIT_S = 3.0
 
 class DriverError(Exception):
     """A driver process died, hung or could not start; the message says why."""
+
+
+class DriverProcess(Protocol):
+    """One driver process as ``Drivers`` uses it: an ``asyncio`` child process, or a
+    driver forked by the host (``forkserver.HostedDriver``)."""
+
+    stdin: asyncio.StreamWriter | None
+    stdout: asyncio.StreamReader | None
+
+    @property
+    def pid(self) -> int:
+        """Its process id."""
+        ...
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code (``-signal`` if a signal ended it); None while it runs."""
+        ...
+
+    async def wait(self) -> int:
+        """Wait for it to end; its exit code."""
+        ...
+
+    def terminate(self) -> None:
+        """SIGTERM."""
+        ...
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        ...
 
 
 class Progress(NamedTuple):
@@ -47,31 +83,56 @@ class Progress(NamedTuple):
 
 
 class DriverPool:
-    """Driver processes started ahead of need. Starting Python and importing the load
-    generator takes about a second on a small machine; a run takes a process that has
-    done so already (waiting for its config on stdin), and a new spare is started
-    behind it, so short runs do not pay that second each."""
+    """Driver processes started ahead of need. Each is forked from a warm host
+    (``service.load.forkserver``), which has imported the load generator once, so a
+    driver costs milliseconds; without a host (it died: a new one is started) a driver
+    is a Python process of its own, whose start and imports take about a second on a
+    small machine. A run takes a process that has started already (waiting for its
+    config on stdin), and a new spare is started behind it."""
 
-    def __init__(self, log_dir: Path, spares: int = 1) -> None:
+    def __init__(self, log_dir: Path, spares: int = 1, warm: bool = True) -> None:
         self.log_dir = log_dir
         self.spares = spares
-        self._ready: list[tuple[asyncio.subprocess.Process, Path]] = []
+        # Fork drivers from a host (False: every driver is a process of its own).
+        self.warm = warm
+        self.host: DriverHost | None = None
+        self._ready: list[tuple[DriverProcess, Path]] = []
         self._filling: set[asyncio.Task[None]] = set()
         self._count = 0
         self._closed = False
 
     def start(self) -> None:
-        """Start the spares (inside the event loop)."""
+        """Start the host and the spares (inside the event loop)."""
+        if self.warm:
+            self._start_host()
         self._refill()
 
-    async def _spawn(self) -> tuple[asyncio.subprocess.Process, Path]:
+    def _start_host(self) -> None:
+        self.host = DriverHost(self.log_dir)
+        self.host.start()
+
+    async def _spawn(self) -> tuple[DriverProcess, Path]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._count += 1
         log_path = self.log_dir / f"driver-spare-{os.getpid()}-{self._count}.log"
-        with log_path.open("wb") as log:
+        host = self.host
+        if host is not None:
+            try:
+                return await host.spawn(log_path, LINE_LIMIT), log_path
+            except HostLost as e:
+                if self.host is host and not self._closed:
+                    log.warning("%s: this driver starts as a process of its own%s", e,
+                                ", and a new host starts" if host.was_ready else "")
+                    # A host that never got ready would fail again: drivers go on as
+                    # processes of their own.
+                    self.host = None
+                    if host.was_ready:
+                        self._start_host()
+                    await host.close()
+        with log_path.open("wb") as log_file:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "service.load.driver",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log_file,
                 limit=LINE_LIMIT,
                 # Its own process group (the driver makes it first thing: uvloop has no
                 # process_group), in the service's session: see ``service.control.procs``.
@@ -96,7 +157,7 @@ class DriverPool:
             self._filling.add(task)
             task.add_done_callback(self._filling.discard)
 
-    async def take(self, name: str) -> tuple[asyncio.subprocess.Process, Path]:
+    async def take(self, name: str) -> tuple[DriverProcess, Path]:
         """A driver process for one shard, its stderr log renamed to ``name``."""
         while self._ready:
             proc, log_path = self._ready.pop(0)
@@ -104,9 +165,9 @@ class DriverPool:
                 break
         else:
             proc, log_path = await self._spawn()
-        # No new spare now: starting Python takes a core for a moment, and a run's first
-        # requests (and its connector's pull of the fill values) come next. ``refill``
-        # after the run.
+        # No new spare now: a driver of its own takes a core for a moment, and a run's
+        # first requests (and its connector's pull of the fill values) come next.
+        # ``refill`` after the run.
         target = self.log_dir / name
         log_path.rename(target)
         return proc, target
@@ -129,16 +190,18 @@ class DriverPool:
         for _, log_path in self._ready:
             log_path.unlink(missing_ok=True)
         self._ready.clear()
+        if self.host is not None:
+            await self.host.close()
 
 
-def _terminate(procs: list[asyncio.subprocess.Process]) -> None:
+def _terminate(procs: list[DriverProcess]) -> None:
     for proc in procs:
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
 
 
-async def _stop_processes(procs: list[asyncio.subprocess.Process]) -> None:
+async def _stop_processes(procs: list[DriverProcess]) -> None:
     """SIGTERM, then SIGKILL after ``STOP_WAIT_S``; reaped either way."""
     _terminate(procs)
     for proc in procs:
@@ -260,7 +323,7 @@ class Drivers(ShardedRun):
         super().__init__(configs, hang_s)
         self.pool = pool
         self.log_paths: list[Path] = []
-        self.procs: list[asyncio.subprocess.Process] = []
+        self.procs: list[DriverProcess] = []
 
     @classmethod
     def for_run(cls, run_id: str, spec: RunSpec, base_url: str, served_model: str,

@@ -1,0 +1,452 @@
+"""The warm driver host: one process that has imported everything a load driver needs
+and forks a driver per request, so a run's shard starts in milliseconds instead of
+paying an interpreter start and its imports (about 0.4 s of CPU) each time.
+
+``DriverPool.start`` (``service.load.shards``) starts ``python -m service.load.forkserver
+FD PID``; ``DriverHost`` is the service's side of it, ``main`` and ``serve`` the host's.
+They talk over a Unix ``SOCK_SEQPACKET`` socket pair (one JSON object a message):
+
+host -> service
+    ``{"ready": pid}`` once the imports are done; ``{"forked": n, "pid": pid}`` (or
+    ``{"forked": n, "error": why}``) for request ``n``; ``{"exited": pid, "code": c}``
+    when a driver it forked has ended (``c`` as ``asyncio`` gives a return code: the
+    exit status, or ``-signal``).
+service -> host
+    ``{"fork": n}`` with three file descriptors (SCM_RIGHTS): the driver's stdin, stdout
+    and stderr. The child puts them on 0, 1 and 2 and runs ``service.load.driver.main``,
+    so it speaks the driver's pipe protocol exactly as ``python -m service.load.driver``
+    does. Closing its end of the socket (or dying) ends the host.
+
+Lifetimes: the host dies with the service (end of the socket; ``PR_SET_PDEATHSIG`` too)
+and every driver dies with its host (``PR_SET_PDEATHSIG``), so nothing outlives the
+service, and a driver whose host died is known to have been killed (code -9). The host
+stays single-threaded and never starts an event loop, so each fork starts clean; it
+reaps its children itself (``SIGCHLD`` through a wakeup pipe) and reports their codes,
+since the service, not their parent, cannot wait for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import itertools
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, BinaryIO, NoReturn
+
+# What a driver needs, imported once here so that no fork pays for it: the driver and its
+# generator (aiohttp, numpy, pydantic), and what they import only when first used.
+import numpy.random  # noqa: F401
+
+from service.load import driver
+
+log = logging.getLogger(__name__)
+
+# The three descriptors a fork request carries, in this order.
+STDIO = 3
+MESSAGE_MAX = 4096
+# How long a host told to end (or a driver's host gone) is waited for.
+HOST_STOP_WAIT_S = 3.0
+# How often the service looks whether a driver whose host died is gone.
+ORPHAN_POLL_S = 0.05
+# ``prctl(PR_SET_PDEATHSIG, ...)``.
+_PR_SET_PDEATHSIG = 1
+
+
+# Hosts started by this process, to name their logs apart.
+_hosts = itertools.count(1)
+# A fork request's answer: the driver's pid, and its exit code to come.
+Forked = asyncio.Future[tuple[int, asyncio.Future[int]]]
+
+
+class HostLost(Exception):
+    """The driver host is not there (it died, or never started): fork no driver from it."""
+
+
+# ---------------------------------------------------------------- the host process
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(3)
+
+
+def _become_driver(stdio: list[int], inherited: list[int], host: int) -> NoReturn:
+    """In a child just forked: take the service's pipes and log as 0, 1, 2, shed the
+    host's own descriptors and signal set-up, and run the driver; never return."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in inherited:
+            os.close(fd)
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+        for fd in stdio:
+            os.close(fd)
+        _die_with_parent(host)
+        driver.main()
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def serve(sock: socket.socket) -> None:
+    """Fork a driver for every request on ``sock``, report the children's pids and exit
+    codes, until the service closes its end."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    # A handler only so that SIGCHLD is delivered (and written to the wakeup pipe).
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    host = os.getpid()
+    with selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_READ)
+        selector.register(wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is sock:
+                    message, fds, _, _ = socket.recv_fds(sock, MESSAGE_MAX, STDIO)
+                    if not message:
+                        return  # the service closed its end, or died
+                    _fork(sock, json.loads(message)["fork"], fds,
+                          [sock.fileno(), wake_r, wake_w, selector.fileno()], host)
+                else:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(wake_r, 512):
+                            pass
+                    _reap(sock)
+
+
+def _fork(sock: socket.socket, request: int, fds: list[int], inherited: list[int], host: int) -> None:
+    try:
+        if len(fds) != STDIO:
+            _send(sock, {"forked": request, "error": f"{len(fds)} descriptors, not {STDIO}"})
+            return
+        # Nothing buffered may be written twice, once by each process.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            _send(sock, {"forked": request, "error": str(e)})
+            return
+        if pid == 0:
+            _become_driver(fds, inherited, host)
+        _send(sock, {"forked": request, "pid": pid})
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def main() -> None:
+    """Entry point of ``python -m service.load.forkserver FD PID``: FD is the host's end
+    of the socket pair, inherited from the service, whose process id is PID."""
+    # Its own process group, in the service's session, as a driver's (``driver.main``).
+    os.setpgrp()
+    _die_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid())
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    sock.set_inheritable(False)
+    # Everything imported so far is shared with every child: keep the collector's passes
+    # from touching (and so copying) it in each of them.
+    gc.collect()
+    gc.freeze()
+    try:
+        _send(sock, {"ready": os.getpid()})
+        serve(sock)
+    except OSError:
+        pass  # the service is gone
+    finally:
+        os._exit(0)
+
+
+# ---------------------------------------------------------------- the service's side
+
+
+class HostedDriver:
+    """A driver forked by the host, as ``Drivers`` uses a process: its pipes, its pid,
+    signals, and its exit code (reported by the host, which is its parent)."""
+
+    def __init__(self, pid: int, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader,
+                 exited: asyncio.Future[int]) -> None:
+        self.pid = pid
+        self.stdin: asyncio.StreamWriter | None = stdin
+        self.stdout: asyncio.StreamReader | None = stdout
+        self._exited = exited
+        # Once it has ended nobody reads its stdin: let the pipe go.
+        exited.add_done_callback(lambda _: stdin.close())
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code (``-signal`` if a signal ended it); None while it runs."""
+        if self._exited.done() and not self._exited.cancelled():
+            return self._exited.result()
+        return None
+
+    async def wait(self) -> int:
+        """Wait for it to end; its exit code."""
+        return await asyncio.shield(self._exited)
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` while it runs (``ProcessLookupError`` if it is gone)."""
+        if self.returncode is not None:
+            raise ProcessLookupError(self.pid)
+        os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        """SIGTERM: it writes the lines it holds and ends (``driver.STOPPED_FLUSH_S``)."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        self.send_signal(signal.SIGKILL)
+
+
+async def _pipe_streams(stdin: BinaryIO, stdout: BinaryIO,
+                        limit: int) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=limit)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), stdout)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, stdin)
+    return asyncio.StreamWriter(transport, protocol, None, loop), reader
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in {"Z", "X"}
+
+
+class DriverHost:
+    """The service's handle on one host process: start it, fork drivers from it, close it."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        # Its stderr: empty unless it failed.
+        self.log_path = log_dir / f"driver-host-{os.getpid()}-{next(_hosts)}.log"
+        self.pid: int | None = None
+        # True once the host said it was ready: it worked, so one lost later is worth
+        # replacing (one that never got there would fail again).
+        self.was_ready = False
+        self._proc: asyncio.subprocess.Process | None = None
+        self._sock: socket.socket | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._requests = itertools.count()
+        self._forks: dict[int, Forked] = {}
+        self._exits: dict[int, asyncio.Future[int]] = {}
+        self._orphans: set[asyncio.Task[None]] = set()
+        self._lost: str | None = None
+
+    @property
+    def lost(self) -> bool:
+        """True once the host is gone (or closed): fork nothing from it."""
+        return self._lost is not None
+
+    def start(self) -> None:
+        """Start the host process (inside the event loop); ``spawn`` waits for it."""
+        self._starting = asyncio.create_task(self._start())
+        self._starting.add_done_callback(self._started)
+
+    def _started(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.warning("the driver host did not start (%s); drivers start as processes of their own", e)
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("ab") as log_file:
+                self._proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "service.load.forkserver", str(theirs.fileno()), str(os.getpid()),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
+                    pass_fds=(theirs.fileno(),),
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.pid = self._proc.pid
+        ours.setblocking(False)
+        self._sock = ours
+        self._reader = asyncio.create_task(self._read())
+        await self._ready
+        self.was_ready = True
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        why = "it ended"
+        try:
+            while message := await loop.sock_recv(self._sock, MESSAGE_MAX):
+                self._handle(json.loads(message))
+        except OSError as e:
+            why = f"its socket failed: {e}"
+        finally:
+            self._gone(why)
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        if "ready" in message:
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(None)
+        elif "forked" in message:
+            waiter = self._forks.pop(int(message["forked"]), None)
+            if "pid" in message:
+                pid = int(message["pid"])
+                # Made here, not by the waiter: its end may be the next message.
+                exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+                self._exits[pid] = exited
+                if waiter is not None and not waiter.done():
+                    waiter.set_result((pid, exited))
+            elif waiter is not None and not waiter.done():
+                waiter.set_exception(HostLost(f"the driver host could not fork: {message.get('error')}"))
+        elif "exited" in message:
+            ended = self._exits.pop(int(message["exited"]), None)
+            if ended is not None and not ended.done():
+                ended.set_result(int(message["code"]))
+
+    def _gone(self, why: str) -> None:
+        """The host has gone: no fork request will be answered, and its drivers died
+        with it (``PR_SET_PDEATHSIG``); each is reported -9 (SIGKILL) once it is gone."""
+        if self._lost is None:
+            self._lost = why
+        for waiter in self._forks.values():
+            if not waiter.done():
+                waiter.set_exception(HostLost(f"the driver host is gone: {why}"))
+        self._forks.clear()
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(HostLost(f"the driver host did not start: {why}"))
+            self._ready.exception()  # retrieved: ``spawn`` reports it
+        for pid, exited in self._exits.items():
+            task = asyncio.get_running_loop().create_task(self._orphan(pid, exited))
+            self._orphans.add(task)
+            task.add_done_callback(self._orphans.discard)
+        self._exits.clear()
+
+    @staticmethod
+    async def _orphan(pid: int, exited: asyncio.Future[int]) -> None:
+        while not _gone(pid):
+            await asyncio.sleep(ORPHAN_POLL_S)
+        if not exited.done():
+            exited.set_result(-signal.SIGKILL)
+
+    async def spawn(self, log_path: Path, limit: int) -> HostedDriver:
+        """Fork a driver with ``log_path`` as its stderr; ``limit``: its stdout reader's
+        line limit. Raises ``HostLost`` if the host is not there."""
+        if self._starting is None:
+            raise HostLost("the driver host was not started")
+        try:
+            await asyncio.shield(self._starting)
+        except HostLost:
+            raise
+        except Exception as e:
+            raise HostLost(f"the driver host did not start: {e!r}") from e
+        if self._lost is not None or self._sock is None:
+            raise HostLost(f"the driver host is gone: {self._lost}")
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        # Our ends, as files: the pipe transports close them once done with them.
+        to_driver, from_driver = os.fdopen(stdin_w, "wb", 0), os.fdopen(stdout_r, "rb", 0)
+        # Its ends go to the host, which has its own copies once they are sent.
+        theirs = [stdin_r, stdout_w]
+        try:
+            theirs.append(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+            request = next(self._requests)
+            forked: Forked = asyncio.get_running_loop().create_future()
+            self._forks[request] = forked
+            try:
+                socket.send_fds(self._sock, [json.dumps({"fork": request}).encode()], theirs)
+            except OSError as e:
+                self._forks.pop(request, None)
+                raise HostLost(f"the driver host took no request: {e}") from e
+            finally:
+                for fd in theirs:
+                    os.close(fd)
+                theirs.clear()
+            pid, exited = await forked
+            stdin, stdout = await _pipe_streams(to_driver, from_driver, limit)
+        except BaseException:
+            for fd in theirs:
+                os.close(fd)
+            to_driver.close()
+            from_driver.close()
+            raise
+        return HostedDriver(pid, stdin, stdout, exited)
+
+    async def close(self) -> None:
+        """End the host (the drivers it still has end with it) and wait for it."""
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+        if self._starting is not None:
+            await asyncio.gather(self._starting, return_exceptions=True)
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_WR)
+        if self._proc is not None:
+            try:
+                await asyncio.wait_for(self._proc.wait(), HOST_STOP_WAIT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.kill()
+                await self._proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(self._reader, return_exceptions=True), HOST_STOP_WAIT_S)
+        self._gone("closed")
+        # Its drivers died with it: wait (a moment) until they are gone, so their ends are known.
+        if self._orphans:
+            await asyncio.wait(list(self._orphans), timeout=HOST_STOP_WAIT_S)
+        for task in list(self._orphans):
+            task.cancel()
+        await asyncio.gather(*self._orphans, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+        with contextlib.suppress(OSError):
+            if self.log_path.stat().st_size == 0:
+                self.log_path.unlink()
+
+
+if __name__ == "__main__":
+    main()
