@@ -79,6 +79,13 @@ class WorkerHandle:
         process here; whether it answers is for its health probes to say."""
         return self.process is None or self.process.poll() is None
 
+    def where(self) -> str:
+        """`` on <host>`` for a server on another host (a Ray node), else nothing: for an
+        error message."""
+        if self.backend == "ray" and self.node:
+            return f" on Ray node {self.node.get('id')} ({self.node.get('address')})"
+        return ""
+
     def ended_why(self) -> str:
         """``": <why>"`` when the backend knows why the server ended (its node was lost),
         else nothing: for an error message."""

@@ -245,7 +245,7 @@ class Runner:
             tail = await asyncio.to_thread(handle.tail)
             await self.fleet.retire(handle, "stopped answering")
             raise WorkerError(
-                f"vLLM server stopped answering during the run ({len(samples) - len(ok)} "
+                f"vLLM server{handle.where()} stopped answering during the run ({len(samples) - len(ok)} "
                 f"requests failed); last log lines:\n{tail}"
             )
         if not ok:

@@ -126,7 +126,7 @@ class Watchdog:
                         return await exited()
                     tail = await asyncio.to_thread(handle.tail)
                     self.finding = WorkerError(
-                        f"vLLM server stopped answering during the run ({checked} requests "
+                        f"vLLM server{handle.where()} stopped answering during the run ({checked} requests "
                         f"failed); last log lines:\n{tail}"
                     )
                     await self.fleet.retire(handle, "stopped answering")
