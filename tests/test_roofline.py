@@ -160,3 +160,16 @@ def test_a_dashed_series_takes_the_colour_of_the_one_it_bounds() -> None:
     assert 'stroke="#3b6fd8"' in lines[0] and "dasharray" not in lines[0]
     assert 'stroke="#d8743b"' in lines[1]
     assert 'stroke="#3b6fd8"' in lines[2] and 'stroke-dasharray="5 3"' in lines[2]
+
+
+def test_a_server_that_did_not_report_its_sizes_has_no_roofline(client: Any) -> None:
+    run_id = client.post("/api/runs", json={"input_len": 64, "output_len": 8, "num_prompts": 4,
+                                            "max_concurrency": 2}).json()["id"]
+    run = wait_finished(client, run_id)
+    assert run["status"] == "succeeded", run["error"]
+    assert run["provenance"]["roofline"] is None and run["summary"]["roofline"] is None
+    assert "energy" in run["summary"]
+    page = client.get(f"/runs/{run_id}").text
+    assert "not known: the server&#39;s connector did not report its model and KV sizes" in page \
+        or "not known: the server's connector did not report its model and KV sizes" in page
+    assert client.get(f"/api/runs/{run_id}/export").json()["decodebench"]["roofline"] is None
