@@ -28,7 +28,8 @@ the service would be. A stub registered after its start gets the config its
 registration answers through ``POST /stub/connector``. At its start (and when it is
 given a config) it reports its provenance as the connector does (``connector.provenance``):
 the engine settings as vLLM would resolve them from its flags, versions, hardware, its
-command line (token hidden) and environment; ``STUB_NO_PROVENANCE`` leaves that out.
+command line (token hidden) and environment, and with ``STUB_ROOFLINE`` (JSON) the
+model's sizes and bandwidth; ``STUB_NO_PROVENANCE`` leaves that out.
 What it pulls and reports are the service's own protocol types (``service.core.protocol``),
 from this checkout, so a change of the protocol shows here too.
 """
@@ -98,6 +99,9 @@ class Connector:
                       "cpu_cores_usable": len(os.sched_getaffinity(0)), "machine": "x86_64"},
             argv=argv,
             env=env,
+            # STUB_ROOFLINE: the model and KV sizes and bandwidth, as JSON, reported as the
+            # connector reports them (``RooflineFacts``).
+            roofline=json.loads(os.environ["STUB_ROOFLINE"]) if os.environ.get("STUB_ROOFLINE") else None,
         )
 
     async def send_provenance(self) -> None:

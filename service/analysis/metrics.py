@@ -144,15 +144,10 @@ def wait_windows(start_times: Sequence[float], ttfts: Sequence[float]) -> Waits:
     return np.asarray(starts), np.asarray(ends)
 
 
-def steady_gaps(samples: Sequence[Sample], min_decoding: int = 0,
-                waits: Waits | None = None) -> list[np.ndarray]:
-    """Per successful request (in order), its gaps during which no request of the run was
-    waiting for its first token (seconds). With ``min_decoding``, only gaps throughout which
-    at least that many requests were decoding (first token seen, last not yet): the batch
-    size a point asks for (costs requests x gaps; for analysis, not for every summary).
-
-    ``waits``: the run's ``wait_windows``, when ``samples`` is a slice of the run (then
-    without ``min_decoding``, which needs every request)."""
+def steady_masks(samples: Sequence[Sample], min_decoding: int = 0,
+                 waits: Waits | None = None) -> list[np.ndarray]:
+    """Per successful request (in order), which of its gaps (``itl``) lie in the steady
+    decode window: a boolean mask per request; ``steady_gaps`` says which gaps those are."""
     ok = [s for s in samples if s.success]
     if not ok:
         return []
@@ -163,16 +158,34 @@ def steady_gaps(samples: Sequence[Sample], min_decoding: int = 0,
     first = np.array([t[0] for t in all_times])
     last = np.array([t[-1] for t in all_times])
     out = []
-    for s, times in zip(ok, all_times, strict=True):
-        gaps = np.asarray(s.itl, dtype=np.float64)
+    for times in all_times:
         # The last wait that began before the gap ended; it overlaps if it ends after the gap began.
         j = np.searchsorted(w_start, times[1:], side="left") - 1
         keep = ~((j >= 0) & (w_end[np.maximum(j, 0)] > times[:-1]))
         if min_decoding > 1:
             decoding = (first[None, :] <= times[:-1, None]) & (last[None, :] >= times[1:, None])
             keep &= decoding.sum(axis=1) >= min_decoding
-        out.append(gaps[keep])
+        out.append(keep)
     return out
+
+
+def token_times(sample: Sample) -> np.ndarray:
+    """When each token of a request reached the client (start + ttft, then each gap added)."""
+    return _token_times(sample)
+
+
+def steady_gaps(samples: Sequence[Sample], min_decoding: int = 0,
+                waits: Waits | None = None) -> list[np.ndarray]:
+    """Per successful request (in order), its gaps during which no request of the run was
+    waiting for its first token (seconds). With ``min_decoding``, only gaps throughout which
+    at least that many requests were decoding (first token seen, last not yet): the batch
+    size a point asks for (costs requests x gaps; for analysis, not for every summary).
+
+    ``waits``: the run's ``wait_windows``, when ``samples`` is a slice of the run (then
+    without ``min_decoding``, which needs every request)."""
+    ok = [s for s in samples if s.success]
+    masks = steady_masks(ok, min_decoding, waits)
+    return [np.asarray(s.itl, dtype=np.float64)[keep] for s, keep in zip(ok, masks, strict=True)]
 
 
 def decode_stats(samples: Sequence[Sample], min_decoding: int = 0) -> Summary:

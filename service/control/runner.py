@@ -32,11 +32,13 @@ from service.analysis.checks import (
     server_warnings,
 )
 from service.analysis.metrics import run_warnings, summarize, summary_intervals
+from service.analysis.roofline import roofline
 from service.analysis.server_metrics import Point as ScrapedPoint
 from service.analysis.server_metrics import Scraper
 from service.analysis.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
 from service.analysis.stopping import record as stop_record
 from service.control import hub, provenance
+from service.control.energy import EnergyMeter, energy_warnings
 from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
 from service.control.vllm_cli import local_model_config
@@ -99,6 +101,8 @@ class Runner:
         # ``Run.stopped_by`` once the sending stopped (see ``service.analysis.stopping``).
         self.stopped_by: dict[str, Any] | None = None
         self.watchdog: Watchdog | None = None
+        # The server's energy and clocks while the run is measured (``service.control.energy``).
+        self.meter: EnergyMeter | None = None
 
     # ------------------------------------------------------------ messages
 
@@ -276,9 +280,20 @@ class Runner:
 
     def _summary(self, duration: float) -> dict[str, Any]:
         """vLLM's summary keys and, beside them, each latency statistic's 95% interval over
-        requests. CPU work: called in a thread."""
-        summary = dict(summarize(self.samples, duration, self.spec.goodput.model_dump(exclude_none=True)))
+        requests, the run against its roofline (``roofline``: None when the server's
+        connector did not report its sizes) and its energy (``energy``). CPU and database
+        work: called in a thread."""
+        summary: dict[str, Any] = dict(
+            summarize(self.samples, duration, self.spec.goodput.model_dump(exclude_none=True)))
         summary.update(summary_intervals(self.samples))
+        # The provenance as stored now: a connector report after the snapshot is in it.
+        prov = store.get_run(self.engine, self.run_id).provenance or {}
+        itl = summary.get("decode_median_itl_ms")
+        summary["roofline"] = roofline(self.samples, prov.get("roofline"),
+                                       itl if isinstance(itl, float) else None)
+        if self.meter is not None:
+            tokens = summary.get("total_output_tokens")
+            summary["energy"] = self.meter.result(tokens if isinstance(tokens, int) else 0)
         return summary
 
     def _warnings(self, summary: dict[str, Any], batch: int | None, recomputed: int) -> list[dict[str, Any]]:
@@ -290,6 +305,7 @@ class Runner:
             *client_warnings(self.samples, self.beats, spec.request_rate is not None),
             *dummy_moe(effective_load_format(spec.model, spec.engine.load_format),
                        local_model_config(self.settings, spec.model)),
+            *energy_warnings(summary.get("energy")),
         ]
 
     async def _connector_totals(self, answered: int) -> dict[str, Any]:
@@ -366,6 +382,8 @@ class Runner:
 
         if (first := await scraper.scrape()) is not None:
             on_point(first)
+        meter = self.meter = EnergyMeter.for_server(handle)
+        meter.start()
         measure = asyncio.create_task(drivers.run(on_sample))
         watchdog = asyncio.create_task(watch.run())
         persister = asyncio.create_task(self._persist_every())
@@ -383,6 +401,7 @@ class Runner:
                 await asyncio.gather(measure, return_exceptions=True)
                 raise watchdog.result()
             duration = measure.result()
+            await asyncio.to_thread(meter.stop)
             scraping.cancel()
             await asyncio.gather(scraping, return_exceptions=True)
             if (last := await scraper.scrape()) is not None:
@@ -396,6 +415,7 @@ class Runner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.to_thread(meter.stop)
             with contextlib.suppress(Exception):  # a record, never a reason to fail the run
                 await asyncio.to_thread(store.record_drivers, self.engine, self.run_id, drivers.placement)
 

@@ -12,6 +12,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
 )
 
 from service.core.spec import Int, Strict
@@ -79,6 +82,40 @@ def connector_totals(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
 Scalar = str | int | float | bool | None
 
 
+Bytes = Annotated[int, Field(ge=0, le=10**16)]
+Rate = Annotated[float, Field(gt=0, le=1e16, allow_inf_nan=False)]
+Words = Annotated[str, Field(max_length=500)]
+
+
+class Bandwidth(BaseModel):
+    """One device's memory bandwidth: as measured at the server's start (``how``: by what),
+    the rate of the connector's own fills, and the specified one where the device is known."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    measured_bytes_per_s: Rate
+    how: Words = ""
+    fill_bytes_per_s: Rate | None = None
+    spec_bytes_per_s: Rate | None = None
+    spec_how: Words | None = None
+
+
+class RooflineFacts(BaseModel):
+    """What a decode step must read, per tensor-parallel rank, and how fast one device reads
+    it (``service.analysis.roofline``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    weight_bytes: Bytes
+    weight_params: Bytes
+    kv_bytes_per_token: Bytes
+    kv_dtype: Words
+    weight_dtype: Words
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=1024)]
+    bandwidth: Bandwidth
+    device: Words
+
+
 class WorkerProvenance(BaseModel):
     """What a worker's connector reports of the server it runs in, once at its start (see
     ``connector.provenance``). Fields a newer connector adds are ignored, not refused."""
@@ -93,6 +130,18 @@ class WorkerProvenance(BaseModel):
     argv: list[Annotated[str, Field(max_length=8192)]] = Field(default_factory=list, max_length=512)
     env: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=dict, max_length=256)
+    # Sizes and bandwidth for the run's roofline; left out of the record when not reported.
+    roofline: RooflineFacts | None = Field(default=None, exclude_if=lambda v: v is None)
+
+    @field_validator("roofline", mode="wrap")
+    @classmethod
+    def _roofline_or_none(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> RooflineFacts | None:
+        # Facts that do not make sense are dropped, not the whole report with them.
+        try:
+            facts: RooflineFacts | None = handler(value)
+        except ValidationError:
+            return None
+        return facts
 
 
 class FillAnswer(BaseModel):

@@ -64,6 +64,8 @@ def snapshot(
         "engine": engine or None,
         "kv_cache": kv or None,
         "hardware": (reported or {}).get("hardware"),
+        # Model and KV sizes with the device's memory bandwidth (``service.analysis.roofline``).
+        "roofline": (reported or {}).get("roofline"),
     }
 
 

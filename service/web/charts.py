@@ -22,6 +22,7 @@ W, H = 560, 260
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 28, 40
 PALETTE = ("#3b6fd8", "#d8743b", "#3ba55d", "#a83bd8", "#d83b5e", "#3bb6d8", "#8a8f3b", "#555")
 LEGEND_ROW, SWATCH = 16, 16
+DASH = ' stroke-dasharray="5 3"'
 # Pixels per character of 10px text, a little over the average so estimates do not overlap.
 CHAR_W = 6
 # Steps drawn per CDF: more is invisible at this width and only makes the page heavy.
@@ -97,9 +98,11 @@ def _open(title: str, height: float, role: str = "img") -> str:
     )
 
 
-def _legend(entries: Sequence[tuple[str, str]], top: float) -> tuple[list[str], int]:
+def _legend(entries: Sequence[tuple[str, str]], top: float,
+            dashed: Collection[str] = ()) -> tuple[list[str], int]:
     """Legend entries ``(name, colour)`` left to right from ``top`` down, a new row whenever
-    the next would pass the width; the parts and the height they take."""
+    the next would pass the width; the parts and the height they take. Entries named in
+    ``dashed`` get a dashed swatch."""
     parts: list[str] = []
     x, row = LEFT, 0
     for name, color in entries:
@@ -109,7 +112,8 @@ def _legend(entries: Sequence[tuple[str, str]], top: float) -> tuple[list[str], 
         y = top + LEGEND_ROW * row + 11
         parts.append(
             f'<g class="legend"><line x1="{x}" x2="{x + SWATCH}" y1="{y - 3.5}" y2="{y - 3.5}" '
-            f'stroke="{color}" stroke-width="2"/><text x="{x + SWATCH + 4}" y="{y}" '
+            f'stroke="{color}" stroke-width="2"{DASH if name in dashed else ""}/>'
+            f'<text x="{x + SWATCH + 4}" y="{y}" '
             f'font-size="10">{escape(name)}</text></g>'
         )
         x += width
@@ -128,6 +132,7 @@ class _Frame:
         self.title = title
         self.xlog = xlog
         self.legend: list[tuple[str, str]] = []
+        self.dashed: set[str] = set()
         self.role = "img"
         x0, x1 = self._scale(x[0]), self._scale(x[1])
         if x1 <= x0:
@@ -179,7 +184,7 @@ class _Frame:
         return H - BOTTOM - (y - self.y0) / (self.y1 - self.y0) * (H - TOP - BOTTOM)
 
     def done(self) -> Markup:
-        legend, extra = _legend(self.legend, H)
+        legend, extra = _legend(self.legend, H, self.dashed)
         return Markup("".join([_open(self.title, H + extra, self.role), *self.parts, *legend, "</svg>"]))
 
 
@@ -272,12 +277,19 @@ def _errorbar(frame: _Frame, p: Point, color: str) -> str:
 
 
 def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: str, xlabel: str,
-          ylabel: str, *, log2_x: bool = False) -> Markup:
+          ylabel: str, *, log2_x: bool = False, dashed: Mapping[str, str] | None = None) -> Markup:
     """One line (with dots) per named series, with a legend below the axis. Points with a 95%
     interval get an error bar, and consecutive ones a translucent band; hovering a dot shows
     its values, and a dot with an ``href`` is a link. ``log2_x`` places x on a log-2 scale
-    with a tick at each measured x, labelled in tokens (2k, 32k); x <= 0 is then dropped."""
-    drawn = {name: (PALETTE[i % len(PALETTE)], pts) for i, (name, raw) in enumerate(series.items())
+    with a tick at each measured x, labelled in tokens (2k, 32k); x <= 0 is then dropped.
+    ``dashed`` names series drawn dashed, each in the colour of the series it maps to (a
+    bound beside the measurement it bounds)."""
+    dashed = dashed or {}
+    solid = [name for name in series if name not in dashed]
+    colors = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(solid)}
+    for i, (name, like) in enumerate(dashed.items()):
+        colors[name] = colors.get(like, PALETTE[(len(solid) + i) % len(PALETTE)])
+    drawn = {name: (colors[name], pts) for name, raw in series.items()
              if (pts := _points(raw, positive_x=log2_x))}
     every = [p for _, pts in drawn.values() for p in pts]
     if not every:
@@ -292,10 +304,11 @@ def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: st
         frame = _Frame(title, xlabel, ylabel, (xs[0], xs[-1]), y_range)
     for color, points in drawn.values():
         frame.parts.extend(_bands(frame, points, color))
-    for color, points in drawn.values():
+    for name, (color, points) in drawn.items():
         path = " ".join(f"{frame.px(p.x):.1f},{frame.py(p.y):.1f}" for p in points)
+        dash = DASH if name in dashed else ""
         frame.parts.append(f'<polyline points="{path}" class="line" fill="none" stroke="{color}" '
-                           'stroke-width="2"/>')
+                           f'stroke-width="2"{dash}/>')
         frame.parts.extend(_errorbar(frame, p, color) for p in points if p.lo is not None)
     # Dots last, on top of every line and band, so each one can be hovered and clicked.
     for name, (color, points) in drawn.items():
@@ -307,6 +320,8 @@ def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: st
                 frame.role = "figure"  # an "img" would hide its links from assistive technology
             frame.parts.append(dot)
         frame.legend.append((name, color))
+        if name in dashed:
+            frame.dashed.add(name)
     return frame.done()
 
 

@@ -148,6 +148,9 @@ def _vllm_info(engine: Engine, run: Run) -> dict[str, Any]:
             "cpu_binding": run.cpu_binding, "stopped_by": run.stopped_by,
             # 95% bootstrap intervals over requests, keyed like vLLM's statistics.
             "intervals": {k: v for k, v in summary.items() if k.endswith("_ci")},
+            # The run against its memory-bandwidth floor, and what its server drew.
+            "roofline": summary.get("roofline"),
+            "energy": summary.get("energy"),
             "group_id": run.group_id, "trial": run.trial, "seed": spec.get("seed"),
             "server_metrics": server_metrics.summarize(server_points(engine, run.id)),
             "connector": {**connector_totals((run.connector or {}).get("ranks", {})),

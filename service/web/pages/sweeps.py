@@ -67,6 +67,14 @@ def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
         charts.lines(curve("output_throughput", "max_concurrency", "input_len"),
                      "Output throughput against concurrency", "max_concurrency", "tokens/s"),
     ]
+    measured = curve("decode_median_itl_ms", x_key, line_key)
+    floors = roofline_curve(points, runs_by_id, x_key, line_key, both_modes, href)
+    if floors:
+        names = {f"{name} roofline": name for name in floors}
+        chart_list.insert(2, charts.lines(
+            {**measured, **{f"{name} roofline": pts for name, pts in floors.items()}},
+            "Decode median ITL (solid) and its roofline min step time (dashed), ms",
+            xlabel, "ms", log2_x=log2, dashed=names))
     baselines = {}
     for p in points:
         first = runs_by_id[p["runs"][0]]
@@ -78,6 +86,30 @@ def sweep_page(request: Request, sweep_id: str, engine: DB) -> HTMLResponse:
          "pairs": sweep.fill_vs_prefill, "href": href, "baselines": baselines,
          "base_shown": base_not_swept(sweep.base, keys)},
     )
+
+
+def roofline_curve(points: Sequence[Mapping[str, Any]], runs_by_id: Mapping[str, Any], x: str,
+                   label: str, both_modes: bool, href: Mapping[str, str]) -> dict[str, list[charts.Point]]:
+    """Per line of the sweep's curves, the least step time the roofline allows at each point
+    (the mean over its succeeded trials' ``summary["roofline"]["min_step_ms"]``); empty when
+    no run's server reported its sizes."""
+    series: dict[str, list[charts.Point]] = {}
+    for p in points:
+        runs = [runs_by_id[i] for i in p["runs"]]
+        floors = [float(r.summary["roofline"]["min_step_ms"]) for r in runs
+                  if r.status == "succeeded" and (r.summary or {}).get("roofline")]
+        if not floors:
+            continue
+        spec = runs[0].spec
+        other = spec[label]
+        name = f"{label}={other if other is not None else 'inf'}"
+        if both_modes:
+            name += f" {spec['mode']}"
+        value = sum(floors) / len(floors)
+        what = ", ".join(f"{k}={v}" for k, v in p["point"].items())
+        series.setdefault(name, []).append(charts.Point(
+            float(spec[x]), value, href=href[p["arm"]], label=f"{what}: roofline {value:.3g} ms"))
+    return series
 
 
 def base_not_swept(base: Mapping[str, Any], grid_keys: Sequence[str]) -> dict[str, Any]:

@@ -1,0 +1,138 @@
+"""How close a run's decode came to the memory-bandwidth floor of its hardware.
+
+A decode step reads every weight once and, for each sequence in the batch, the KV cache of
+every token it holds so far. No step can take less than those bytes over the device's
+memory bandwidth:
+
+    min_step_s = (weight_bytes + batch x mean_context x kv_bytes_per_token) / bandwidth
+
+with ``batch x mean_context`` the sum of the context lengths of the sequences decoding.
+Weights and KV sizes are per tensor-parallel rank, as the connector reports them, and the
+bandwidth is one device's: each rank reads its own share from its own memory at the same
+time. ``pct_of_roofline`` is that floor over the measured decode median ITL, in percent:
+100 would be a decode that does nothing but stream its bytes at full bandwidth.
+
+Batch and context come from the samples, over the steady decode window of
+``service.analysis.metrics`` (the gaps while no request of the run waited for its first
+token), both time-weighted: the batch is the number of requests streaming, averaged over the
+time the window covers; a sequence's context during a gap is its prompt plus the tokens it
+had generated when the gap began. Pure functions: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.analysis.metrics import steady_masks, token_times
+from service.core.sample import Sample
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """What was decoding over a run's steady window (time-weighted means)."""
+
+    batch: float  # requests streaming
+    context_tokens: float  # prompt + tokens generated so far, per decoding sequence
+    window_s: float  # how long the window is (the union of its gaps)
+
+
+def occupancy(samples: Sequence[Sample]) -> Occupancy | None:
+    """The mean batch and context over the steady decode window, or None when the window is
+    empty (no request streamed two tokens outside another's wait for its first)."""
+    ok = [s for s in samples if s.success]
+    masks = steady_masks(ok)
+    starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    busy = 0.0  # sum over requests of their steady gaps: the integral of the batch
+    weighted = 0.0  # the same, each gap weighted by its sequence's context
+    for s, keep in zip(ok, masks, strict=True):
+        if not keep.any():
+            continue
+        times = token_times(s)
+        lo, hi = times[:-1][keep], times[1:][keep]
+        # During the gap after token k (0: the first), k + 1 tokens have been generated.
+        context = s.prompt_len + 1 + np.flatnonzero(keep)
+        length = hi - lo
+        busy += float(length.sum())
+        weighted += float((length * context).sum())
+        starts.append(lo)
+        ends.append(hi)
+    if not starts:
+        return None
+    window = _union_length(np.concatenate(starts), np.concatenate(ends))
+    if window <= 0 or busy <= 0:
+        return None
+    return Occupancy(batch=busy / window, context_tokens=weighted / busy, window_s=window)
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    """The total length of the union of the intervals ``[starts[i], ends[i]]``."""
+    order = np.argsort(starts, kind="stable")
+    lo, hi = starts[order], ends[order]
+    # Each interval covers what lies past the furthest end of those before it.
+    reach = np.maximum.accumulate(hi)
+    before = np.concatenate(([-np.inf], reach[:-1]))
+    covered = np.clip(hi - np.maximum(lo, before), 0.0, None)
+    return float(covered.sum())
+
+
+def min_step_s(weight_bytes: float, kv_bytes_per_token: float, batch: float,
+               context_tokens: float, bandwidth_bytes_per_s: float) -> float:
+    """The least time one decode step can take: its bytes over the bandwidth."""
+    return step_bytes(weight_bytes, kv_bytes_per_token, batch, context_tokens) / bandwidth_bytes_per_s
+
+
+def step_bytes(weight_bytes: float, kv_bytes_per_token: float, batch: float,
+               context_tokens: float) -> float:
+    """The bytes one decode step reads: every weight, and the KV of every decoding token."""
+    return weight_bytes + batch * context_tokens * kv_bytes_per_token
+
+
+def _positive(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if np.isfinite(value) and value > 0 else None
+
+
+def roofline(samples: Sequence[Sample], facts: Mapping[str, Any] | None,
+             decode_median_itl_ms: float | None) -> dict[str, Any] | None:
+    """The run against its roofline (see the module docstring), or None when the facts
+    (``provenance["roofline"]``, as the connector reports them) lack the weight or KV bytes
+    or a measured bandwidth, or the steady decode window is empty. Times in ms, sizes in
+    bytes, rates in bytes per second; percentages are None without a positive ITL."""
+    if not facts:
+        return None
+    weights = _positive(facts.get("weight_bytes"))
+    kv_per_token = facts.get("kv_bytes_per_token")
+    bandwidth = facts.get("bandwidth") or {}
+    measured = _positive(bandwidth.get("measured_bytes_per_s")) if isinstance(bandwidth, Mapping) else None
+    spec = _positive(bandwidth.get("spec_bytes_per_s")) if isinstance(bandwidth, Mapping) else None
+    # A model without attention KV reports 0 bytes per token; anything else must be positive.
+    kv = 0.0 if kv_per_token == 0 and not isinstance(kv_per_token, bool) else _positive(kv_per_token)
+    if weights is None or measured is None or kv is None:
+        return None
+    seen = occupancy(samples)
+    if seen is None:
+        return None
+    total = step_bytes(weights, kv, seen.batch, seen.context_tokens)
+    floor_ms = total / measured * 1000
+    itl_ms = _positive(decode_median_itl_ms)
+    return {
+        "batch": seen.batch,
+        "context_tokens": seen.context_tokens,
+        "bytes_per_step": total,
+        "weight_bytes": weights,
+        "kv_bytes": total - weights,
+        "min_step_ms": floor_ms,
+        "decode_median_itl_ms": itl_ms,
+        "pct_of_roofline": floor_ms / itl_ms * 100 if itl_ms else None,
+        "pct_of_spec_roofline": (total / spec * 1000 / itl_ms * 100) if spec and itl_ms else None,
+        "bandwidth_bytes_per_s": measured,
+        "spec_bandwidth_bytes_per_s": spec,
+        "achieved_bytes_per_s": total / (itl_ms / 1000) if itl_ms else None,
+    }
