@@ -81,7 +81,11 @@ Scalar = str | int | float | bool | None
 
 class WorkerProvenance(BaseModel):
     """What a worker's connector reports of the server it runs in, once at its start (see
-    ``connector.provenance``). Fields a newer connector adds are ignored, not refused."""
+    ``connector.provenance``). Each side sends its part: the scheduler side everything but
+    ``roofline``, TP rank 0 of the worker side only ``roofline`` (``connector.roofline``:
+    weight bytes and parameters read per decode step, KV bytes per token, measured and rated
+    bandwidth); the service merges the parts it was sent. Fields a newer connector adds are
+    ignored, not refused."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -93,6 +97,7 @@ class WorkerProvenance(BaseModel):
     argv: list[Annotated[str, Field(max_length=8192)]] = Field(default_factory=list, max_length=512)
     env: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=dict, max_length=256)
+    roofline: dict[Annotated[str, Field(max_length=64)], Any] | None = Field(default=None, max_length=32)
 
 
 class FillAnswer(BaseModel):

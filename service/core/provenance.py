@@ -64,6 +64,7 @@ def snapshot(
         "engine": engine or None,
         "kv_cache": kv or None,
         "hardware": (reported or {}).get("hardware"),
+        "roofline": (reported or {}).get("roofline"),
     }
 
 
