@@ -5,7 +5,8 @@ head dim 128, K and V, block size 16), all of one request's blocks selected, as
 the connector sees it when a 40k-token request is scheduled. Each variant runs
 in the same process, interleaved, and the median of several repeats is reported.
 
-Prints a table and a last line:
+Prints a table, the device's bandwidth as the connector measures it for the roofline
+(``connector.roofline.measure_bandwidth``), and a last line:
 ``fill: ours/upstream speedup constant X.Xx random Y.Yx; ours/memset Z.ZZ``.
 """
 
@@ -21,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
     DecodeBenchConnectorWorker,
 )
 
+from connector.roofline import measure_bandwidth
 from connector.worker import fill_block_rows
 
 
@@ -95,6 +97,10 @@ def main() -> None:
     for name, seconds in best.items():
         print(f"{name:<22}{seconds * 1e3:>10.2f}{nbytes / seconds / 1e9:>10.2f}"
               f"{best['memset (same bytes)'] / seconds:>12.2f}")
+    # What the connector reports as the roofline's bandwidth, measured here the same way.
+    measured = measure_bandwidth(device)
+    print(f"device bandwidth: copy {measured['measured_bytes_per_s'] / 1e9:.2f} GB/s, fill "
+          f"{measured['fill_bytes_per_s'] / 1e9:.2f} GB/s ({measured['how']}; connector.roofline)")
     const = best["upstream constant"] / best["ours constant"]
     rand = best["upstream random"] / best["ours random"]
     of_memset = best["memset (same bytes)"] / best["ours constant"]

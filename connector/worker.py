@@ -6,6 +6,10 @@ block ids is one strided slice of the cache, filled in place: a constant fill is
 a memset-like ``fill_``, a random fill tiles a pool of normal samples into it
 (see :class:`NoisePool`).
 Scattered ids fall back to one ``index_fill_``/``index_copy_`` per layer.
+
+When vLLM registers the KV caches, TP rank 0 also gathers the decode roofline's facts
+(``connector.roofline``: weights read per step, KV bytes per token, measured bandwidth)
+and reports them as the ``roofline`` part of the server's provenance.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
     DecodeBenchConnectorWorker,
 )
 
+from connector import roofline
 from connector.metadata import FillConnectorMetadata
+from connector.provenance import cpu_model
 from connector.report import Reporter
 
 if TYPE_CHECKING:
@@ -179,12 +185,50 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, kv_cache_config)
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
         config = vllm_config.kv_transfer_config
         self.reporter = Reporter(
             config.get_from_extra_config("control_url", None),
             config.get_from_extra_config("worker_token", None),
             role="worker",
             rank=_tp_rank(),
+        )
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep the KV caches; on TP rank 0, report the roofline's facts once."""
+        super().register_kv_caches(kv_caches)
+        if self.reporter.provenance_url is None or self.reporter.rank != 0:
+            return
+        try:
+            facts = self.roofline_facts(kv_caches)
+        except Exception:
+            # A model transformers cannot build, a device torch cannot time: no roofline,
+            # never a server that does not start.
+            log.warning("FillConnector: no roofline facts for this server", exc_info=True)
+            return
+        self.reporter.provenance({"roofline": facts})
+
+    def roofline_facts(self, kv_caches: dict[str, Any]) -> dict[str, Any]:
+        """Weights, KV bytes per token and bandwidth as this rank holds and measures them."""
+        block_sizes = attention_block_sizes(self.kv_cache_config)
+        attention = [kv_caches[n] for n in block_sizes if isinstance(kv_caches.get(n), torch.Tensor)]
+        device = attention[0].device if attention else torch.device("cpu")
+        kv_dtype: torch.dtype | str = (next(iter(self._fp8_dtypes.values())) if self._fp8_dtypes
+                                       else attention[0].dtype if attention
+                                       else self.vllm_config.cache_config.cache_dtype)
+        model = self.vllm_config.model_config
+        return roofline.facts(
+            model.hf_config,
+            model.dtype,
+            self.vllm_config.parallel_config.tensor_parallel_size,
+            kv_caches,
+            block_sizes,
+            self.kv_cache_config.num_blocks,
+            kv_dtype,
+            device,
+            cpu_model=cpu_model(),
+            trust_remote_code=bool(getattr(model, "trust_remote_code", False)),
         )
 
     def start_fill_kv(self, metadata: FillConnectorMetadata) -> None:
@@ -246,6 +290,21 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
     def shutdown(self) -> None:
         """Send the last report."""
         self.reporter.close()
+
+
+def attention_block_sizes(kv_cache_config: KVCacheConfig) -> dict[str, int]:
+    """Tokens per block of every attention layer (layers whose cache grows with context)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    sizes: dict[str, int] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        for layer_name in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[layer_name]
+            if isinstance(spec, AttentionSpec):
+                sizes[layer_name] = int(spec.block_size)
+    return sizes
 
 
 def _tp_rank() -> int:

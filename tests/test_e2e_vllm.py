@@ -297,6 +297,23 @@ def test_connector_reports_what_it_filled(service: httpx.Client) -> None:
     assert report["fill_seconds"] > 0
 
 
+def test_the_connector_reports_the_decode_roofline_of_its_server(service: httpx.Client) -> None:
+    run = _run(service, input_len=256, output_len=4, num_prompts=2, max_concurrency=2)
+    (worker,) = [w for w in service.get("/api/workers").json() if w["id"] == run["worker_id"]]
+    roof = worker["provenance"]["reported"]["roofline"]
+    # 2 layers x (K, V) x 2 KV heads x head dim 32 x 4 bytes (float32), from the server's tensors.
+    assert roof["kv_bytes_per_token"] == 1024
+    # The tiny model without its input embedding table (tests/test_roofline_facts.py).
+    assert roof["weight_params"] == 1_344_128 and roof["weight_bytes"] == 1_344_128 * 4
+    assert (roof["kv_dtype"], roof["weight_dtype"], roof["tensor_parallel_size"]) == (
+        "float32", "float32", 1)
+    measured = roof["bandwidth"]
+    assert measured["measured_bytes_per_s"] > 0 and measured["fill_bytes_per_s"] > 0
+    assert measured["how"] == "copy of 64 MiB on cpu, best of 5"
+    assert measured["spec_bytes_per_s"] is None and roof["device"].startswith("cpu")
+    assert run["provenance"]["roofline"] == roof
+
+
 def test_fill_run_generates_what_vllms_decode_bench_connector_generates(
     service: httpx.Client, reference_servers: dict[str, str]
 ) -> None:

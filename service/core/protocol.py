@@ -118,7 +118,11 @@ class RooflineFacts(BaseModel):
 
 class WorkerProvenance(BaseModel):
     """What a worker's connector reports of the server it runs in, once at its start (see
-    ``connector.provenance``). Fields a newer connector adds are ignored, not refused."""
+    ``connector.provenance``). Each side sends its part: the scheduler side everything but
+    ``roofline``, TP rank 0 of the worker side only ``roofline`` (``connector.roofline``:
+    weight bytes and parameters read per decode step, KV bytes per token, measured and rated
+    bandwidth); the service merges the parts it was sent. Fields a newer connector adds are
+    ignored, not refused."""
 
     model_config = ConfigDict(extra="ignore")
 

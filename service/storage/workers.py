@@ -150,13 +150,15 @@ def worker_facts(worker: Worker | None) -> dict[str, Any] | None:
 
 
 def record_worker_provenance(engine: Engine, worker_id: str, reported: dict[str, Any]) -> None:
-    """Keep what a worker's connector reported of its server. Runs of this worker still in
-    progress whose snapshot was taken before the report arrived get it now."""
+    """Keep what a worker's connector reported of its server, added to what it reported
+    before (its scheduler side and its worker side each send their part). Runs of this
+    worker still in progress whose snapshot was taken before the report arrived get it now."""
     with write_session(engine) as session:
         worker = session.get(Worker, worker_id)
         if worker is None:
             return
-        worker.provenance = {**(worker.provenance or {}), "reported": reported,
+        before = (worker.provenance or {}).get("reported") or {}
+        worker.provenance = {**(worker.provenance or {}), "reported": {**before, **reported},
                              "reported_at": utcnow().isoformat()}
         session.add(worker)
         facts = worker_facts(worker)
@@ -164,11 +166,13 @@ def record_worker_provenance(engine: Engine, worker_id: str, reported: dict[str,
             Run.worker_id == worker_id, col(Run.status).in_(("starting", "running")))).all()
         for run in runs:
             old = run.provenance
-            if old is None or old.get("reported"):
+            if old is None:
                 continue
-            run.provenance = provenance.snapshot(facts, run.spec, old.get("load_format", "auto"),
-                                                 old.get("kv_cache_tokens"), old.get("decodebench") or {})
-            session.add(run)
+            fresh = provenance.snapshot(facts, run.spec, old.get("load_format", "auto"),
+                                        old.get("kv_cache_tokens"), old.get("decodebench") or {})
+            if {**old, **fresh} != old:  # keeps what was added since (``drivers``)
+                run.provenance = {**old, **fresh}
+                session.add(run)
 
 
 def ended_log_paths(engine: Engine, skip: int) -> list[str]:

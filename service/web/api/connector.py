@@ -63,6 +63,7 @@ def connector_provenance(
     worker: Annotated[Worker, Depends(require_worker)],
 ) -> Response:
     """What a worker's connector found about its server at start: versions, resolved engine
-    settings, KV cache, hardware, command line; every run on it records this."""
-    workers.record_worker_provenance(engine, worker.id, report.model_dump())
+    settings, KV cache, hardware, command line, the decode roofline's facts; every run on it
+    records this. A report with some fields (one connector side's part) adds to the others."""
+    workers.record_worker_provenance(engine, worker.id, report.model_dump(exclude_unset=True))
     return Response(status_code=204)

@@ -1,0 +1,239 @@
+"""The facts a decode roofline needs, as the server holds them: weights read per step, KV
+bytes per token of context, and the memory bandwidth of the server's device.
+
+The service computes a run's minimum decode step time as (weight bytes + the sum over
+decoding sequences of context x KV bytes per token) / bandwidth. The worker side of the
+connector (TP rank 0) gathers these once, when vLLM registers its KV caches, and reports
+them as ``roofline`` in the server's provenance. The counts here need neither vLLM nor a
+GPU: weights are counted on the meta device (no memory), KV bytes come from whatever
+tensors are passed in, and the bandwidth is measured on any torch device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+MIB = 1 << 20
+# Large enough to leave every cache level behind, small enough to fit beside the KV cache.
+GPU_BUFFER_BYTES = 256 * MIB
+CPU_BUFFER_BYTES = 64 * MIB
+MIN_BUFFER_BYTES = 16 * MIB
+REPEATS = 5
+
+
+def _text_config(config: Any) -> Any:
+    """The language model's part of a config (multimodal configs nest it)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The causal LM of ``config`` with every parameter on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError):
+            # A multimodal config AutoModelForCausalLM has no class for: its text model.
+            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                _text_config(config), trust_remote_code=trust_remote_code)
+    assert isinstance(model, torch.nn.Module)
+    return model
+
+
+def streamed_params(config: Any, trust_remote_code: bool = False) -> int:
+    """Parameters a decode step reads: all of them but the input embedding table (a gather
+    of a few rows). A tied embedding is read once per step, as the LM head."""
+    model = meta_model(config, trust_remote_code)
+    total = sum(p.numel() for p in model.parameters())  # shared parameters once
+    embedding = model.get_input_embeddings()
+    table = getattr(embedding, "weight", None)
+    if not isinstance(table, torch.Tensor):
+        return int(total)
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is table:
+        return int(total)
+    return int(total - table.numel())
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` as ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def element_size(dtype: torch.dtype | str) -> int:
+    """Bytes of one element of ``dtype`` (a torch dtype or its name)."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return int(torch.empty((), dtype=dtype, device="meta").element_size())
+
+
+def kv_bytes_per_token(
+    kv_caches: Mapping[str, Any], block_sizes: Mapping[str, int], num_blocks: int
+) -> int:
+    """Bytes of KV cache one token of context takes on this rank, summed over layers.
+
+    Layout-free: each layer's tensor holds ``num_blocks`` blocks of its group's block size
+    whether the block dimension comes first (FlashInfer, MLA's one latent tensor), second
+    (FlashAttention's ``(2, num_blocks, ...)``, the CPU backend's) or is split into smaller
+    kernel blocks, so its bytes divided by the tokens it holds is the layer's K and V of
+    one token. Only layers in ``block_sizes`` count: state tensors (Mamba and other linear
+    attention) are per sequence, not per token.
+    """
+    total = 0
+    for name, block_size in block_sizes.items():
+        cache = kv_caches.get(name)
+        if not isinstance(cache, torch.Tensor):
+            continue
+        nbytes = cache.numel() * cache.element_size()
+        per_token, rest = divmod(nbytes, num_blocks * block_size)
+        if rest:
+            raise ValueError(f"layer {name}: {nbytes} bytes is not {num_blocks} blocks of "
+                             f"{block_size} tokens")
+        total += per_token
+    return total
+
+
+def _synchronize(device: torch.device) -> None:
+    module = getattr(torch, device.type, None)
+    sync = getattr(module, "synchronize", None)
+    if device.type != "cpu" and callable(sync):
+        sync(device)
+
+
+def _best_seconds(work: Any, device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``work`` after one untimed call."""
+    work()
+    _synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            began = time.perf_counter()
+            work()
+            _synchronize(device)
+            seconds = time.perf_counter() - began
+        best = min(best, seconds)
+    return best
+
+
+def _time_copy_and_fill(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
+    """Best seconds of a copy of ``nbytes`` into another buffer, and of a fill of one."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    source.fill_(1)  # touch every page before timing (first-touch faults on a CPU)
+    copy = _best_seconds(lambda: target.copy_(source), device, repeats)
+    fill = _best_seconds(lambda: target.fill_(7), device, repeats)
+    return copy, fill
+
+
+def measure_bandwidth(
+    device: torch.device | str, nbytes: int | None = None, repeats: int = REPEATS
+) -> dict[str, Any]:
+    """Memory bandwidth of ``device``: a copy of one buffer into another (bytes read plus
+    bytes written) and a fill of one (bytes written), best of ``repeats``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if nbytes is None:
+        nbytes = CPU_BUFFER_BYTES if device.type == "cpu" else GPU_BUFFER_BYTES
+    while True:
+        try:
+            copy, fill = _time_copy_and_fill(device, nbytes, repeats)
+            break
+        except torch.OutOfMemoryError:
+            # The KV cache took the memory: a smaller buffer, still far beyond the caches.
+            if nbytes <= MIN_BUFFER_BYTES:
+                raise
+            torch.cuda.empty_cache()
+            nbytes = max(MIN_BUFFER_BYTES, nbytes // 4)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the buffers' memory back at once
+    return {
+        "measured_bytes_per_s": 2 * nbytes / copy,
+        "how": f"copy of {nbytes / MIB:g} MiB on {device}, best of {repeats}",
+        "fill_bytes_per_s": nbytes / fill,
+    }
+
+
+def spec_bandwidth(device: torch.device | str) -> tuple[float | None, str | None]:
+    """The GPU's rated memory bandwidth from NVML: the top memory clock x the bus width x 2
+    (double data rate); ``(None, None)`` on a CPU or where NVML cannot say."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, None
+    try:
+        import pynvml
+
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        pynvml.nvmlInit()
+    except Exception:
+        return None, None
+    try:
+        prefix = "" if uuid.startswith(("GPU-", "MIG-")) else "GPU-"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(prefix + uuid)
+        mhz = int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))
+        bits = int(pynvml.nvmlDeviceGetMemoryBusWidth(handle))
+    except Exception:
+        return None, None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    rate = mhz * 1e6 * bits * 2 / 8
+    return rate, f"NVML: max memory clock {mhz} MHz x bus width {bits} bits x 2 (DDR) / 8"
+
+
+def device_name(device: torch.device | str, cpu_model: str | None = None) -> str:
+    """The device in words: ``cuda:0 NVIDIA H100 80GB HBM3``, ``cpu <model>``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return f"{device} {cpu_model}" if cpu_model else str(device)
+
+
+def bandwidth(device: torch.device | str) -> dict[str, Any]:
+    """The ``bandwidth`` block of the report: measured, and rated where NVML says."""
+    measured = measure_bandwidth(device)
+    spec, spec_how = spec_bandwidth(device)
+    return {**measured, "spec_bytes_per_s": spec, "spec_how": spec_how}
+
+
+def facts(
+    config: Any,
+    weight_dtype: torch.dtype | str,
+    tensor_parallel_size: int,
+    kv_caches: Mapping[str, Any],
+    block_sizes: Mapping[str, int],
+    num_blocks: int,
+    kv_dtype: torch.dtype | str,
+    device: torch.device | str,
+    cpu_model: str | None = None,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """The ``roofline`` block of the provenance report, for one tensor-parallel rank."""
+    tp = max(1, int(tensor_parallel_size))
+    params = streamed_params(config, trust_remote_code)
+    return {
+        "weight_bytes": params * element_size(weight_dtype) // tp,
+        "weight_params": params,
+        "kv_bytes_per_token": kv_bytes_per_token(kv_caches, block_sizes, num_blocks),
+        "kv_dtype": dtype_name(kv_dtype),
+        "weight_dtype": dtype_name(weight_dtype),
+        "tensor_parallel_size": tp,
+        "bandwidth": bandwidth(device),
+        "device": device_name(device, cpu_model),
+    }
