@@ -158,7 +158,10 @@ def test_the_service_merges_both_sides_parts_into_the_runs_provenance(tmp_path: 
         store.update_fields(engine, run.id, worker_id="w-1")
         store.snapshot_provenance(engine, run.id, "w-1", "dummy", None, {})
         store.record_drivers(engine, run.id, [{"shard": 0}])
-        facts = {"weight_bytes": 10, "kv_bytes_per_token": 1024}
+        facts = {"weight_bytes": 10, "weight_params": 5, "kv_bytes_per_token": 1024, "kv_dtype": "bfloat16",
+                 "weight_dtype": "bfloat16", "tensor_parallel_size": 1, "device": "cpu",
+                 "bandwidth": {"measured_bytes_per_s": 1e10, "how": "copy", "fill_bytes_per_s": 5e9,
+                               "spec_bytes_per_s": None, "spec_how": None}}
         # The worker side's part first, then the scheduler side's, as the service gets them.
         for part in (WorkerProvenance(roofline=facts),
                      WorkerProvenance(engine={"dtype": "float32"})):
