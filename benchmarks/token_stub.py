@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -116,7 +117,15 @@ async def _handle(
                 continue
             n = max_tokens
             if run_id:
-                await account.admitted(run_id)
+                try:
+                    await account.admitted(run_id)
+                except OSError as exc:  # the service did not answer the pull: say so, keep the line
+                    print(f"token_stub: fill pull for {run_id} failed: {exc!r}", file=sys.stderr, flush=True)
+                    answer = b'{"error": "the fill pull failed"}'
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(answer), answer))
+                    await writer.drain()
+                    continue
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             event = b'data: {"choices":[{"index":0,"text":" x","finish_reason":null}]}\n\n'
