@@ -52,7 +52,16 @@ class Account:
         if mode is None:
             mode = self.modes[run_id] = asyncio.get_running_loop().create_future()
             query = urllib.parse.urlencode({"run_id": run_id})
-            answer = await asyncio.to_thread(self._call, f"/api/connector/fill?{query}")
+            try:
+                answer = await asyncio.to_thread(self._call, f"/api/connector/fill?{query}")
+                if not isinstance(answer, dict) or "mode" not in answer:
+                    raise OSError(f"the fill pull answered {answer!r}")
+            except Exception as exc:
+                # Requests waiting on this pull fail with it; the next one asks again.
+                del self.modes[run_id]
+                mode.set_exception(OSError(f"the fill pull failed: {exc!r}"))
+                mode.exception()
+                raise OSError(f"the fill pull failed: {exc!r}") from exc
             mode.set_result(answer["mode"])
         key = "filled_requests" if await mode == "fill" else "prefill_requests"
         counts = self.counts.setdefault(run_id, {"requests_seen": 0, key: 0})
