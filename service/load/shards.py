@@ -37,6 +37,10 @@ LINE_LIMIT = 64 << 20
 STOP_WAIT_S = 3.0
 
 
+# How far ahead the shards of a run are given their common start (s).
+START_LEAD_S = 0.05
+
+
 class DriverError(Exception):
     """A driver process died, hung or could not start; the message says why."""
 
@@ -367,8 +371,9 @@ class Drivers(ShardedRun):
 
             async def go() -> None:
                 await self.all_ready.wait()
-                # A moment ahead, so every shard starts the schedule at the same instant.
-                t0 = time.perf_counter() + 0.05
+                # A moment ahead, so every shard starts the schedule at the same instant (one
+                # shard has nobody to wait for: it starts when told).
+                t0 = time.perf_counter() + (START_LEAD_S if len(self.procs) > 1 else 0.0)
                 for proc in self.procs:
                     assert proc.stdin is not None
                     proc.stdin.write(json.dumps({"start": t0}).encode() + b"\n")
