@@ -19,19 +19,22 @@ from typing import Any
 import httpx
 import pytest
 
+# ``make test`` installs the ``ray`` extra: these tests run, never skip.
+import ray
+from ray import cluster_utils
+
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.driver import DriverConfig
 from service.load.generator import LoadShape
-from service.load.shards import DriverError, ShardedRun
+from service.load.ray_drivers import _REMOTE_HOST, RayDriverBackend, host_name
+from service.load.shards import (
+    DriverError,
+    ShardedRun,
+    run_configs,
+)
 from service.settings import Settings
 from tests.service_process import _free_port
-
-ray = pytest.importorskip("ray")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
-
-from service.load.ray_drivers import _REMOTE_HOST, RayDriverBackend, host_name  # noqa: E402
-from service.load.shards import run_configs  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 NAMESPACE = f"decodebench-test-{uuid.uuid4().hex[:8]}"
