@@ -213,8 +213,7 @@ class Scheduler:
                 continue
             placement = self.fleet.reserve(decision)
             run_id = decision.run_id
-            runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement,
-                            server_free=self.notify)
+            runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement)
             self._runners[run_id] = runner
             task = asyncio.create_task(self._execute_placed(runner), name=f"runner-{run_id}")
             self._tasks[run_id] = task

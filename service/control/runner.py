@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -76,10 +75,8 @@ class Runner:
     """Owns one placed run until it is succeeded, failed or cancelled."""
 
     def __init__(self, settings: Settings, engine: Engine, fleet: Fleet, run_id: str, spec: RunSpec,
-                 placement: Placement, server_free: Callable[[], None] = lambda: None) -> None:
+                 placement: Placement) -> None:
         self.settings = settings
-        # Called once the run no longer needs its server (the queue looks for work then).
-        self.server_free = server_free
         self.engine = engine
         self.fleet = fleet
         self.run_id = run_id
@@ -258,13 +255,6 @@ class Runner:
             await self._end(RunStatus.failed, f"every request failed; first error: {first_error}\n"
                       f"last log lines of the vLLM server:\n{tail}", summary=summary)
             return
-        # The warnings' CPU work is done while the server is still this run's (the common
-        # case, no recomputed request, needs nothing of the connector's account)...
-        read = await asyncio.to_thread(self._warnings, summary, batch, 0)
-        # ... then the server takes the next run while this one waits for the connector's
-        # account of it (reported per run: the next run's requests never mix in).
-        self.fleet.release(self.run_id, [handle])
-        self.server_free()
         # Only a run whose requests came back is judged on the connector's account (a dead
         # or failing server has its own, clearer reason above).
         answered = len(ok) + self.spec.warmup_prompts
@@ -274,9 +264,8 @@ class Runner:
             await self._end(RunStatus.failed, failure, summary=summary)
             return
         recomputed = int(totals.get("recomputed_requests", 0))
-        if recomputed:
-            read = await asyncio.to_thread(self._warnings, summary, batch, recomputed)
-        await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings + read)
+        warnings += await asyncio.to_thread(self._warnings, summary, batch, recomputed)
+        await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings)
 
     def _summary(self, duration: float) -> dict[str, Any]:
         """vLLM's summary keys and, beside them, each latency statistic's 95% interval over
