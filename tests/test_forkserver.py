@@ -28,7 +28,7 @@ def test_a_driver_forked_from_the_warm_host_sends_its_samples(stub: str, tmp_pat
     parents: list[int] = []
 
     async def drive() -> tuple[Drivers, int]:
-        pool = DriverPool(tmp_path)
+        pool = DriverPool(tmp_path, warm=True)
         pool.start()
         drivers = Drivers.for_run("r-warm", spec, stub, "stub", 1000, 30, pool, hang_s=30)
 
@@ -81,7 +81,7 @@ def test_a_forked_driver_that_crashes_reports_its_exit_code(tmp_path: Path, how:
 def test_without_its_host_drivers_start_on_their_own_and_a_new_host_starts(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
-        pool = DriverPool(tmp_path, spares=0)
+        pool = DriverPool(tmp_path, spares=0, warm=True)
         pool.start()
         started: list[DriverProcess] = []
         try:

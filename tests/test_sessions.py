@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import wait_finished
+from tests.conftest import make_client, wait_finished
 from tests.service_process import driver_pids, host_pids
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    """A service with the warm driver host on (off by default), so it is checked too."""
+    with make_client(tmp_path, warm_drivers=True) as c:
+        yield c
 
 
 def test_workers_and_drivers_share_the_services_session(client: TestClient) -> None:

@@ -162,7 +162,7 @@ class Fleet(RegisteredServers):
         # Runs placed on a new server that is not up yet, with the GPUs they hold.
         self._starting: dict[str, Placement] = {}
         self.servers: ServerBackend = servers or LocalServers(settings, engine, client)
-        self.driver_pool: DriverBackend = drivers or DriverPool(settings.logs_dir)
+        self.driver_pool: DriverBackend = drivers or DriverPool(settings.logs_dir, warm=settings.warm_drivers)
         self._gpus: list[str] = []
         # The drivers of runs being measured (for ``cluster``).
         self._drivers: dict[str, LoadDrivers] = {}

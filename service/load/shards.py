@@ -94,7 +94,7 @@ class DriverPool:
     small machine. A run takes a process that has started already (waiting for its
     config on stdin), and a new spare is started behind it."""
 
-    def __init__(self, log_dir: Path, spares: int = 1, warm: bool = True) -> None:
+    def __init__(self, log_dir: Path, spares: int = 1, warm: bool = False) -> None:
         self.log_dir = log_dir
         self.spares = spares
         # Fork drivers from a host (False: every driver is a process of its own).
