@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import types
 from pathlib import Path
@@ -17,6 +18,7 @@ from service.control.energy import (
     Unavailable,
     energy_warnings,
     reason_names,
+    result_of,
     summarize_gpu,
     summarize_powercap,
 )
@@ -196,11 +198,29 @@ def handle(**fields: Any) -> WorkerHandle:
 
 
 def test_which_source_a_server_gets(tmp_path: Path) -> None:
+    # A Ray server's meter is its backend's, reading on its node (tests/test_ray_cluster.py);
+    # a handle without one says so.
     ray = EnergyMeter.for_server(handle(backend="ray", node={"address": "10.0.0.2"}))
-    assert ray.source is None and ray.result(1)["why"].startswith("server on a Ray node (10.0.0.2)")
+    assert ray.source is None and ray.result(1)["why"].startswith("server on a Ray node that cannot")
     registered = EnergyMeter.for_server(handle(backend="registered"))
     assert registered.result(1)["available"] is False
     gpu = EnergyMeter.for_server(handle(gpus=["0", "1"]))
     assert isinstance(gpu.source, NvmlSource) and gpu.source.gpu_ids == ["0", "1"]
     cpu = EnergyMeter.for_server(handle(), powercap_root=tmp_path)
     assert isinstance(cpu.source, PowercapSource) and cpu.source.root == tmp_path
+
+
+def test_what_a_meter_read_travels_as_plain_data(tmp_path: Path) -> None:
+    # A node's meter sends its state back; the block made from it here is the node's own.
+    rapl(tmp_path, {"intel-rapl:0": 10})
+    meter = EnergyMeter(PowercapSource(tmp_path))
+    meter.start()
+    time.sleep(0.3)
+    rapl(tmp_path, {"intel-rapl:0": 5000})
+    time.sleep(0.2)
+    meter.stop()
+    state = json.loads(json.dumps(meter.state()))
+    assert result_of(state, 4) == meter.result(4)
+    assert result_of(state, 4)["energy_j"] == pytest.approx((5000 - 10) / 1e6)
+    never = EnergyMeter(PowercapSource(tmp_path))
+    assert result_of(never.state(), 1) == {"available": False, "why": "the meter was never started"}

@@ -90,6 +90,11 @@ def test_a_sweep_runs_one_server_per_gpu_across_nodes(cluster: Cluster, tmp_path
             assert recorded["worker"]["node"]["id"] == worker["node"]["id"]
             assert [d["node_id"] for d in recorded["drivers"]] == [worker["node"]["id"]]
             assert recorded["drivers"][0]["uncertainty_s"] >= 0
+            # Energy is read beside the server, on its node: these GPUs are fake, so NVML
+            # there says why it has nothing (and the block names the node).
+            energy = run["summary"]["energy"]
+            assert energy["node"] == worker["node"]["address"]
+            assert energy["available"] is False and worker["node"]["id"] in energy["why"]
         # They overlapped: every run started before any of them ended.
         assert max(r["started_at"] for r in runs) < min(r["finished_at"] for r in runs)
     # A clean shutdown leaves nothing of ours on the cluster.

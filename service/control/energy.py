@@ -312,17 +312,32 @@ class EnergyMeter:
 
     @classmethod
     def for_server(cls, handle: WorkerHandle, powercap_root: Path | None = None) -> EnergyMeter:
-        """What can be read of ``handle``'s server from this machine."""
+        """What can be read of ``handle``'s server: here, or for a server on a Ray node,
+        beside it on its node (the backend's meter, ``service.control.ray_servers``)."""
         if handle.backend == "ray":
-            node = (handle.node or {}).get("address") or "another node"
-            return cls(None, f"server on a Ray node ({node}): its energy would have to be read "
-                       "beside it on that node, which decodebench does not do yet")
+            remote = getattr(handle.process, "energy_meter", None)
+            if callable(remote):
+                meter: EnergyMeter = remote()
+                return meter
+            return cls(None, "server on a Ray node that cannot be read beside it")
         if handle.external:
             return cls(None, "registered server: started elsewhere, its hardware is not this "
                        "machine's to read")
-        if handle.gpus:
-            return cls(NvmlSource(handle.gpus))
+        return cls.on_this_host(handle.gpus, powercap_root)
+
+    @classmethod
+    def on_this_host(cls, gpu_ids: Sequence[str], powercap_root: Path | None = None) -> EnergyMeter:
+        """A meter of this host's ``gpu_ids`` (NVML), or of its CPU packages without GPUs."""
+        if gpu_ids:
+            return cls(NvmlSource(gpu_ids))
         return cls(PowercapSource(powercap_root))
+
+    def state(self) -> dict[str, Any]:
+        """What was read, as plain data (to send from the node that read it): ``result_of``
+        turns it into the run's ``energy`` block there or here."""
+        return {"kind": getattr(self.source, "kind", None), "started": self._thread is not None,
+                "why": self.why, "readings": list(self.readings),
+                "ranges": dict(getattr(self.source, "ranges", {}) or {})}
 
     def start(self) -> None:
         """Start reading (a thread; returns at once)."""
@@ -372,11 +387,21 @@ class EnergyMeter:
 
     def result(self, output_tokens: int) -> dict[str, Any]:
         """The run's ``energy`` block (after ``stop``). CPU work: called in a thread."""
-        if self.source is None or (self.why is not None and len(self.readings) < 2):
-            return {"available": False, "why": self.why or "nothing was read"}
-        if self._thread is None:
-            return {"available": False, "why": "the meter was never started"}
-        return self.source.summarize(self.readings, output_tokens)
+        return result_of(self.state(), output_tokens)
+
+
+def result_of(state: dict[str, Any], output_tokens: int) -> dict[str, Any]:
+    """The run's ``energy`` block from a meter's ``state`` (see ``EnergyMeter.result``)."""
+    readings: list[Reading] = [(float(t), list(values)) for t, values in state.get("readings") or []]
+    why = state.get("why")
+    if state.get("kind") is None or (why is not None and len(readings) < 2):
+        return {"available": False, "why": why or "nothing was read"}
+    if not state.get("started"):
+        return {"available": False, "why": "the meter was never started"}
+    if state["kind"] == "gpu":
+        return summarize_gpu(readings, output_tokens)
+    return summarize_powercap(readings, {str(k): int(v) for k, v in (state.get("ranges") or {}).items()},
+                              output_tokens)
 
 
 def energy_warnings(energy: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -48,6 +48,7 @@ from sqlalchemy import Engine
 
 from service.control import provenance
 from service.control.cpu_binding import binding_env, parse_binding_log
+from service.control.energy import EnergyMeter, result_of
 from service.control.handles import WorkerError, WorkerHandle
 from service.control.procs import WORKER_ENV, drain_to_capped_file, log_head, stop_process_group
 from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
@@ -96,6 +97,7 @@ class ServerHost:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.dir / f"{worker_id}.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.meter: EnergyMeter | None = None
 
     def where(self) -> dict[str, Any]:
         """The node, its address, the GPUs Ray gave this actor, and where the bundled tiny
@@ -148,6 +150,19 @@ class ServerHost:
         """The first part of the server's log (what vLLM said while it started)."""
         return log_head(self.log_path)
 
+    def energy_start(self, gpu_ids: list[str]) -> None:
+        """Start reading the energy and clocks of this node's GPUs ``gpu_ids`` (NVML), or of
+        its CPU packages without GPUs, beside the server (``service.control.energy``)."""
+        self.meter = EnergyMeter.on_this_host(gpu_ids)
+        self.meter.start()
+
+    def energy_stop(self) -> dict[str, Any]:
+        """Stop reading; what was read (``EnergyMeter.state``)."""
+        if self.meter is None:
+            return EnergyMeter(None, "the meter on the node was never started").state()
+        self.meter.stop()
+        return self.meter.state()
+
     def stop(self, grace_s: float) -> int | None:
         """Stop the server's process group (SIGTERM, SIGKILL after ``grace_s``)."""
         if self.process is not None:
@@ -183,6 +198,10 @@ class RayProcess:
             self.returncode = code
             self.gone = why or f"on {self.where()}, exit code {code}"
 
+    def energy_meter(self) -> EnergyMeter:
+        """A meter that reads beside the server, on its node (``EnergyMeter.for_server``)."""
+        return NodeMeter(self)
+
     def tail(self) -> str:
         """The server's last log lines, read on its node (blocking; from a thread)."""
         if self.gone is None:
@@ -191,6 +210,36 @@ class RayProcess:
         if self.gone is not None:
             return f"({self.gone}; the last lines read from it:)\n{self.last_tail}"
         return self.last_tail
+
+
+class NodeMeter(EnergyMeter):
+    """The energy and clocks of a server on a Ray node, read by its actor on that node
+    (``ServerHost.energy_start``, ``energy_stop``) and sent back once the run's load ends."""
+
+    def __init__(self, process: RayProcess) -> None:
+        super().__init__(None, None)
+        self.process = process
+        self._state: dict[str, Any] | None = None
+
+    def start(self) -> None:
+        # Returns at once: the actor starts its reading thread on its node.
+        self.process.actor.energy_start.remote(list(self.process.node.get("gpu_ids") or []))
+
+    def stop(self) -> None:
+        """Stop the node's meter and fetch what it read (blocking: from a thread)."""
+        try:
+            self._state = dict(ray.get(self.process.actor.energy_stop.remote(), timeout=ASK_TIMEOUT_S))
+        except (RayError, GetTimeoutError) as exc:
+            self._state = EnergyMeter(None, f"the readings on {self.process.where()} were lost: "
+                                            f"{type(exc).__name__}").state()
+
+    def result(self, output_tokens: int) -> dict[str, Any]:
+        state = self._state or EnergyMeter(None, "the meter on the node was never stopped").state()
+        block = result_of(state, output_tokens)
+        block["node"] = self.process.node.get("address")
+        if not block.get("available") and block.get("why"):
+            block["why"] = f"on {self.process.where()}: {block['why']}"
+        return block
 
 
 def unreachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
