@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import socket
 import subprocess
@@ -117,6 +118,13 @@ def stub_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ca
 @pytest.fixture
 def stub() -> Iterator[str]:
     """The URL of a stub vLLM server process (a token every 5 ms), stopped at the end."""
+    with stub_server() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def stub_server() -> Iterator[str]:
+    """A stub vLLM server process (a token every 5 ms) while in the block: its URL."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(TESTS / "stub_vllm.py"), "--port", str(port),
                              "--served-model-name", "stub"], env={"STUB_TOKEN_INTERVAL_S": "0.005",

@@ -8,15 +8,12 @@ its own first.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 # ``make test`` installs the ``ray`` extra: these tests run, never skip.
@@ -34,7 +31,7 @@ from service.load.shards import (
     run_configs,
 )
 from service.settings import Settings
-from tests.service_process import _free_port
+from tests.conftest import stub_server
 
 TESTS = Path(__file__).resolve().parent
 NAMESPACE = f"decodebench-test-{uuid.uuid4().hex[:8]}"
@@ -70,25 +67,8 @@ def backend(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 @pytest.fixture(scope="module")
 def stub() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(TESTS / "stub_vllm.py"), "--port", str(port),
-                             "--served-model-name", "stub"], env={"STUB_TOKEN_INTERVAL_S": "0.005",
-                                                                  "PATH": "/usr/bin:/bin"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "stub did not start"
-            time.sleep(0.1)
+    with stub_server() as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def worker_node(cluster: Any) -> str:
