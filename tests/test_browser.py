@@ -93,10 +93,20 @@ class Browser:
 
     def wait(self, condition: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while not self.run(f"document.readyState === 'complete' && ({condition})"):
+        while not self._holds(f"document.readyState === 'complete' && ({condition})"):
             if time.monotonic() > deadline:
                 raise TimeoutError(condition)
             time.sleep(0.1)
+
+    def _holds(self, script: str) -> bool:
+        """False while the page is being replaced: a click that navigates can land between
+        the evaluation being sent and answered, and the old document then answers nothing."""
+        try:
+            return bool(self.run(script))
+        except RuntimeError as error:
+            if "navigated or closed" in str(error) or "context" in str(error).lower():
+                return False
+            raise
 
     def open(self, url: str) -> None:
         self.call("Page.navigate", session=True, url=url)
