@@ -47,7 +47,7 @@ def test_happy_path_moves_through_every_state(engine) -> None:  # type: ignore[n
     assert store.get_run(engine, run_id).finished_at is not None
 
 
-@pytest.mark.parametrize("end", sorted(FINISHED))
+@pytest.mark.parametrize("end", sorted(FINISHED - {RunStatus.imported}))
 def test_finished_run_never_moves_again(engine, end: RunStatus) -> None:  # type: ignore[no-untyped-def]
     run_id = _new_run(engine)
     store.transition(engine, run_id, RunStatus.starting)
@@ -56,6 +56,12 @@ def test_finished_run_never_moves_again(engine, end: RunStatus) -> None:  # type
     for target in RunStatus:
         assert not store.transition(engine, run_id, target)
     assert store.get_run(engine, run_id).status == end.value
+
+
+def test_imported_is_an_end_no_run_reaches_or_leaves() -> None:
+    assert RunStatus.imported in FINISHED
+    assert not TRANSITIONS[RunStatus.imported]
+    assert all(RunStatus.imported not in targets for targets in TRANSITIONS.values())
 
 
 def test_queued_run_cannot_skip_to_running_or_succeeded(engine) -> None:  # type: ignore[no-untyped-def]

@@ -30,7 +30,7 @@ from service.analysis.intervals import (
 from service.analysis.metrics import request_values, wait_windows
 from service.core.errors import Conflict, NotFound, shown
 from service.core.spec import point_key
-from service.core.status import FINISHED, RunStatus
+from service.core.status import FINISHED, MEASURED
 from service.storage import baselines, measurements, store
 from service.storage.tables import Run
 
@@ -72,7 +72,7 @@ FILL_METRICS = ("decode_median_itl_ms", "decode_median_tpot_ms")
 
 @dataclass
 class Arm:
-    """The runs of one side; ``ok`` are the succeeded ones."""
+    """The runs of one side; ``ok`` are those with numbers (succeeded or imported)."""
 
     id: str
     runs: list[Run]
@@ -80,7 +80,7 @@ class Arm:
 
     @property
     def ok(self) -> list[Run]:
-        return [r for r in self.runs if r.status == RunStatus.succeeded and r.summary]
+        return [r for r in self.runs if r.status in MEASURED and r.summary]
 
     @property
     def finished(self) -> bool:

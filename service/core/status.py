@@ -14,6 +14,9 @@ class RunStatus(StrEnum):
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
+    # Measured elsewhere (a ``vllm bench serve`` result file, ``POST /api/imports``): stored
+    # finished, never queued or scheduled.
+    imported = "imported"
 
 
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
@@ -23,10 +26,13 @@ TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     RunStatus.succeeded: frozenset(),
     RunStatus.failed: frozenset(),
     RunStatus.cancelled: frozenset(),
+    RunStatus.imported: frozenset(),
 }
 
 
-FINISHED = frozenset({RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled})
+FINISHED = frozenset({RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled, RunStatus.imported})
+# Finished with numbers to read: measured here, or imported.
+MEASURED = frozenset({RunStatus.succeeded, RunStatus.imported})
 
 
 def sources_of(target: RunStatus) -> frozenset[RunStatus]:

@@ -12,19 +12,23 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from service.core import provenance
 from service.core.errors import Conflict, Invalid, NotFound, shown
 from service.core.ids import new_id, utcnow
+from service.core.sample import Sample
 from service.core.spec import RunSpec, point_key
 from service.core.status import FINISHED, RunStatus, sources_of
 from service.storage.db import write_session
+from service.storage.measurements import SAVE_SLICE
 from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint, Worker
 from service.storage.workers import worker_facts
 
@@ -108,6 +112,22 @@ def create_run(engine: Engine, spec: RunSpec, idempotency_key: str | None = None
         except IntegrityError:
             continue  # another request with this key won the race; read theirs
     raise Conflict("could not create the run; retry")
+
+
+def create_imported(engine: Engine, spec: dict[str, Any], summary: dict[str, Any],
+                    samples: Sequence[Sample], **fields: Any) -> Run:
+    """Insert a run measured elsewhere (status ``imported``, never queued) with its samples,
+    all or nothing; ``fields``: its times, provenance and counts."""
+    run = Run(id=new_id("r"), spec=spec, model=spec["model"], status=RunStatus.imported.value,
+              summary=summary, point=point_key(spec), total=len(samples) or int(spec["num_prompts"]),
+              **fields)
+    with write_session(engine) as session:
+        session.add(run)
+        session.flush()
+        rows = [{"run_id": run.id, **asdict(s)} for s in samples]
+        for i in range(0, len(rows), SAVE_SLICE):
+            session.exec(sqlite_insert(SampleRow).values(rows[i:i + SAVE_SLICE]))
+    return run
 
 
 def get_run(engine: Engine, run_id: str) -> Run:

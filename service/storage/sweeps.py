@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, func
+from sqlalchemy import Engine, delete, func
 from sqlmodel import Session, col, select
 
-from service.core.errors import Invalid, NotFound, shown
+from service.core.errors import Conflict, Invalid, NotFound, shown
 from service.core.ids import new_id
+from service.core.status import FINISHED
 from service.core.sweep import SweepCreate
 from service.storage.db import write_session
 from service.storage.store import queue_in_order, trial_runs
-from service.storage.tables import Run, Sweep
+from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint, Sweep
 
 
 def create_sweep(engine: Engine, body: SweepCreate) -> Sweep:
@@ -78,3 +79,27 @@ def sweep_page(engine: Engine, limit: int, offset: int) -> tuple[list[tuple[Swee
                 counts[str(sweep_id)][status] = int(n)
         total = session.exec(select(func.count()).select_from(Sweep)).one()
         return [(sweep, counts[sweep.id]) for sweep in sweeps], int(total)
+
+
+def delete_sweep(engine: Engine, sweep_id: str) -> list[str]:
+    """Delete a sweep whose runs have all finished, with its runs and everything stored for
+    them (samples, server metric points, the baselines its runs and groups are), all or
+    nothing; the ids of the deleted runs. NotFound for an unknown sweep, Conflict while a
+    run of it has not finished."""
+    with write_session(engine) as session:
+        if session.get(Sweep, sweep_id) is None:
+            raise NotFound(f"sweep {shown(sweep_id)} not found")
+        runs = list(session.exec(select(Run).where(Run.sweep_id == sweep_id)).all())
+        active = [r for r in runs if r.status not in FINISHED]
+        if active:
+            raise Conflict(f"sweep {sweep_id} has {len(active)} runs not finished "
+                           f"(e.g. {active[0].id}, {active[0].status}): cancel it first "
+                           f"(POST /api/sweeps/{sweep_id}/cancel), then delete it")
+        ids = [r.id for r in runs]
+        arms = ids + sorted({r.group_id for r in runs if r.group_id})
+        session.exec(delete(SampleRow).where(col(SampleRow.run_id).in_(ids)))
+        session.exec(delete(ServerMetricPoint).where(col(ServerMetricPoint.run_id).in_(ids)))
+        session.exec(delete(Baseline).where(col(Baseline.arm).in_(arms)))
+        session.exec(delete(Run).where(col(Run.id).in_(ids)))
+        session.exec(delete(Sweep).where(col(Sweep.id) == sweep_id))
+        return ids

@@ -27,25 +27,31 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_BODY_BYTES = 1 << 20
+# Paths whose bodies may be larger: an imported result file holds every request's gaps.
+LARGER_BODIES = {"/api/imports": 64 << 20}
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with a 413 (see the module docstring)."""
+    """Refuse request bodies over ``limit`` bytes (``larger``: per path) with a 413 (see the
+    module docstring)."""
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES,
+                 larger: dict[str, int] | None = None) -> None:
         self.app = app
-        self.limit = limit
+        self.default = limit
+        self.larger = LARGER_BODIES if larger is None else larger
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.larger.get(scope.get("path", ""), self.default)
         declared = _content_length(scope)
         if declared is not None and declared < 0:
             await _answer(send, 400, "Content-Length is not a number")
             return
-        if declared is not None and declared > self.limit:
-            await _answer(send, 413, f"request body over the limit of {self.limit} bytes "
+        if declared is not None and declared > limit:
+            await _answer(send, 413, f"request body over the limit of {limit} bytes "
                                      f"(Content-Length: {declared})")
             return
         # Read the whole body here, up to the limit: the app then gets it in one piece.
@@ -57,8 +63,8 @@ class BodyLimit:
                 return  # the client went away; nothing to answer
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
-                await _answer(send, 413, f"request body over the limit of {self.limit} bytes")
+            if size > limit:
+                await _answer(send, 413, f"request body over the limit of {limit} bytes")
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -172,8 +172,31 @@ def export_run(run_id: str, engine: DB, format: Literal["vllm", "csv"] = "vllm")
         return csv_attachment(name, CSV_FIELDS, _csv_rows(engine, run))
     if run.summary is None:
         raise Conflict(f"run {run_id} has no summary yet (status {run.status})")
+    return StreamingResponse(result_pieces(engine, run_id, run_result(engine, run)),
+                             media_type="application/json",
+                             headers={"Content-Disposition": f'attachment; filename="{name}.json"'})
+
+
+# What ``vllm bench serve --save-result`` leaves out of its file without ``--save-detailed``.
+DETAILED_ONLY = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
+
+
+def run_result(engine: Engine, run: Run, detailed: bool = True) -> dict[str, object]:
+    """A run's vLLM result (it has a summary) with its per-request lists standing in for
+    what ``result_pieces`` writes; without ``detailed``, as vLLM writes it without
+    ``--save-detailed``."""
+    assert run.summary is not None
     lists = {key: _Streamed(key) for key, _ in VLLM_REQUEST_LISTS}
     result = vllm_result(run.summary, _vllm_info(engine, run), lists,
-                         measurements.count_samples(engine, run_id))
-    return StreamingResponse(_vllm_json(engine, run_id, result), media_type="application/json",
-                             headers={"Content-Disposition": f'attachment; filename="{name}.json"'})
+                         measurements.count_samples(engine, run.id))
+    return result if detailed else {k: v for k, v in result.items() if k not in DETAILED_ONLY}
+
+
+def result_pieces(engine: Engine, run_id: str, result: Mapping[str, object]) -> Iterator[str]:
+    """``run_result``'s dict (extra keys may be added) as JSON text, a piece at a time."""
+    return _vllm_json(engine, run_id, result)
+
+
+def is_request_list(value: object) -> bool:
+    """Whether a value of ``run_result`` is a per-request list (written from the samples)."""
+    return isinstance(value, _Streamed)

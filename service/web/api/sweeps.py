@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.analysis import comparison
 from service.core.errors import Conflict
+from service.core.status import FINISHED, MEASURED
 from service.core.sweep import SweepCreate
-from service.storage import sweeps
-from service.web import sweep_view
+from service.storage import logs, sweeps
+from service.web import sweep_view, vllm_sweep
 from service.web.api.exports import csv_attachment
-from service.web.api.runs import check_backend, check_model
+from service.web.api.runs import cancel_one, check_backend, check_model
 from service.web.deps import ADMIN, DB, READ, Sched
-from service.web.errors import ERROR_RESPONSES
+from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import SweepList, SweepPublic, SweepSummary
 
+log = logging.getLogger(__name__)
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
@@ -63,13 +66,26 @@ def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
 
 @router.get(
     "/api/sweeps/{sweep_id}/export", response_model=None, dependencies=READ,
-    responses={200: {"description": "the sweep's points as CSV, or as JSON {sweep, columns, rows}",
-                     "content": {"text/csv": {}, "application/json": {}}}},
+    responses={200: {"description": "the sweep's points as CSV, or as JSON {sweep, columns, rows}; "
+                                    "or (vllm-sweep) a zip of the directory vllm bench sweep serve writes",
+                     "content": {"text/csv": {}, "application/json": {}, "application/zip": {}}}},
 )
 def export_sweep(
-    sweep_id: str, engine: DB, format: Literal["csv", "json"] = "csv"
+    sweep_id: str, engine: DB, format: Literal["csv", "json", "vllm-sweep"] = "csv",
+    detailed: bool = False,
 ) -> Response:
-    """The sweep's points as one table, one row per point with each figure's 95% interval: CSV or JSON."""
+    """The sweep's points as one table, one row per point with each figure's 95% interval: CSV
+    or JSON. ``vllm-sweep``: a zip of the directory ``vllm bench sweep serve`` writes (a
+    folder per point, ``run=N.json`` per trial, ``summary.json``, ``summary.csv``), for
+    ``vllm bench sweep plot``; ``detailed`` keeps every per-request list in the run files,
+    as ``--save-detailed`` does."""
+    if format == "vllm-sweep":
+        sweep, runs = sweeps.get_sweep(engine, sweep_id)
+        if not any(r.status in MEASURED and r.summary is not None for r in runs):
+            raise Conflict(f"no run of sweep {sweep_id} has finished with numbers yet: nothing to export")
+        return StreamingResponse(
+            vllm_sweep.archive(engine, sweep, runs, detailed), media_type="application/zip",
+            headers={"Content-Disposition": f'attachment; filename="decodebench-{sweep_id}-vllm-sweep.zip"'})
     columns, rows = sweep_view.sweep_table(sweep_view.sweep_public(engine, sweep_id))
     name = f"decodebench-{sweep_id}"
     if format == "json":
@@ -87,3 +103,35 @@ def mark_sweep_baseline(sweep_id: str, engine: DB) -> list[dict[str, Any]]:
     if not arms:
         raise Conflict(f"sweep {sweep_id} has no succeeded run yet: nothing to mark")
     return [comparison.mark_baseline(engine, a.id) for a in arms]
+
+
+@router.post("/api/sweeps/{sweep_id}/cancel", response_model=SweepPublic, dependencies=ADMIN)
+def cancel_sweep(sweep_id: str, engine: DB, scheduler: Sched) -> SweepPublic:
+    """Cancel every run of a sweep that has not finished, as a run's cancel does (a run
+    being measured keeps what it measured); 409 when all have finished."""
+    _, runs = sweeps.get_sweep(engine, sweep_id)
+    cancelled = sum(cancel_one(engine, scheduler, run.id, "cancelled by the user (its sweep)")
+                    for run in runs if run.status not in FINISHED)
+    if not cancelled:
+        raise Conflict(f"every run of sweep {sweep_id} already finished; nothing to cancel")
+    return sweep_view.sweep_public(engine, sweep_id)
+
+
+@router.delete(
+    "/api/sweeps/{sweep_id}", status_code=204, dependencies=ADMIN,
+    responses={204: {"description": "Deleted, with its runs, their samples and driver logs"},
+               409: {"model": ErrorBody, "description": "A run of it has not finished: cancel it first"}},
+)
+def delete_sweep(sweep_id: str, request: Request, engine: DB, scheduler: Sched) -> Response:
+    """Delete a sweep with its runs, their samples, server metrics, baseline marks and
+    driver logs; 409 while a run of it is queued, starting or running (cancel it first)."""
+    _, runs = sweeps.get_sweep(engine, sweep_id)
+    saving = [r.id for r in runs if r.status in FINISHED and scheduler.handling(r.id)]
+    if saving:
+        raise Conflict(f"run {saving[0]} of sweep {sweep_id} has finished but is still saving "
+                       "what it measured; delete the sweep in a moment")
+    deleted = sweeps.delete_sweep(engine, sweep_id)
+    files = sum(len(logs.delete_run_files(request.app.state.settings.logs_dir, run_id))
+                for run_id in deleted)
+    log.info("sweep %s deleted with %d runs and %d log files", sweep_id, len(deleted), files)
+    return Response(status_code=204)
