@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import wait_finished
+from tests.conftest import wait_finished, wait_for
 
 BASE = {"input_len": 16, "output_len": 4, "num_prompts": 2, "max_concurrency": 2}
 
@@ -76,3 +76,36 @@ def test_points_that_do_not_fit_the_kv_cache_are_marked_infeasible(
     assert again["progress"]["infeasible"] == 1
     assert "infeasible" in client.get(f"/sweeps/{sweep['id']}").text
     assert client.get("/api/workers").json()[0]["kv_tokens"] == 1600
+
+
+def test_cancel_sweep_ends_its_runs_and_delete_then_removes_it(client: TestClient) -> None:
+    body = {"base": {**BASE, "num_prompts": 2000, "output_len": 64}, "grid": {"max_concurrency": [1, 2]}}
+    sweep = client.post("/api/sweeps", json=body).json()
+    first = sweep["runs"][0]["id"]
+    wait_for(client, first, lambda r: r["status"] == "running" and r["progress"]["completed"] > 0)
+    refused = client.delete(f"/api/sweeps/{sweep['id']}")
+    assert refused.status_code == 409, refused.text
+    assert "cancel it first" in refused.json()["detail"]
+
+    response = client.post(f"/api/sweeps/{sweep['id']}/cancel")
+    assert response.status_code == 200, response.text
+    cancelled = response.json()
+    assert cancelled["id"] == sweep["id"]
+    assert cancelled["progress"]["cancelled"] == cancelled["progress"]["total"] == 2
+    assert {r["status"] for r in cancelled["runs"]} == {"cancelled"}
+    # The run being measured kept what it measured.
+    assert client.get(f"/api/runs/{first}/requests").json()
+    again = client.post(f"/api/sweeps/{sweep['id']}/cancel")
+    assert again.status_code == 409 and "nothing to cancel" in again.json()["detail"]
+
+    assert client.delete(f"/api/sweeps/{sweep['id']}").status_code == 204
+    assert client.get(f"/api/sweeps/{sweep['id']}").status_code == 404
+    assert all(client.get(f"/api/runs/{r['id']}").status_code == 404 for r in sweep["runs"])
+    assert client.get("/api/sweeps").json()["total"] == 0
+    assert client.get("/api/runs").json()["total"] == 0
+
+
+def test_cancel_and_delete_of_an_unknown_sweep_are_404(client: TestClient) -> None:
+    for response in (client.post("/api/sweeps/s-nope/cancel"), client.delete("/api/sweeps/s-nope")):
+        assert response.status_code == 404
+        assert "sweep 's-nope' not found" in response.json()["detail"]
