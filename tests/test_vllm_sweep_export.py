@@ -50,7 +50,8 @@ def test_vllm_sweep_export_is_drawn_by_vllm_sweep_plot(client: TestClient, tmp_p
     assert one["label"] == run["id"] and one["median_tpot_ms"] == exported["median_tpot_ms"]
     # As vllm bench serve writes without --save-detailed: latencies kept, per-token lists not.
     assert "latencies" in one and "itls" not in one and "ttfts" not in one
-    summary = json.loads((directory / "BENCH--random_input_len=16-max_concurrency=2" / "summary.json").read_text())
+    folder = directory / "BENCH--random_input_len=16-max_concurrency=2"
+    summary = json.loads((folder / "summary.json").read_text())
     assert [t["run_number"] for t in summary] == [0, 1]
     rows = list(csv.DictReader(io.StringIO((directory / "summary.csv").read_text())))
     assert len(rows) == 8 and {r["random_input_len"] for r in rows} == {"8", "16"}

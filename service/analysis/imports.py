@@ -131,7 +131,8 @@ def _spec(body: Mapping[str, Any], samples: Sequence[Sample]) -> dict[str, Any]:
         input_len = _number(body, "total_input_tokens") / completed if completed else 1
         output_len = _number(body, "total_output_tokens") / completed if completed else 1
     rate = body.get("request_rate")
-    ours = body.get("decodebench") if isinstance(body.get("decodebench"), Mapping) else {}
+    block = body.get("decodebench")
+    ours: Mapping[str, Any] = block if isinstance(block, Mapping) else {}
     data: dict[str, Any] = {
         "input_len": max(1, round(input_len)), "output_len": max(1, round(output_len)),
         "num_prompts": int(_number(body, "num_prompts")),
@@ -171,8 +172,8 @@ def _provenance(body: Mapping[str, Any], spec: Mapping[str, Any], detailed: bool
     known = {*HEADER_KEYS, *SUMMARY_KEYS, *SAMPLE_LISTS, *OPTIONAL_LISTS, *OTHER_KNOWN}
     metadata = {k: v for k, v in body.items() if k not in known and not k.endswith("_ms")}
     record = provenance.snapshot(None, spec, "auto", None, {})
-    versions = {name: str(metadata[key]) for name, key in (("vllm", "vllm_version"), ("torch", "torch_version"))
-                if key in metadata}
+    versions = {name: str(metadata[key])
+                for name, key in (("vllm", "vllm_version"), ("torch", "torch_version")) if key in metadata}
     record |= {
         "prefill": PREFILLED_ELSEWHERE if spec["mode"] == "prefill" else record["prefill"],
         "load_format": None, "weights": None, "versions": versions or None,
@@ -208,7 +209,8 @@ def read_result(body: Any) -> Imported:
     try:
         finished = datetime.strptime(str(body["date"]), DATE_FORMAT).replace(tzinfo=UTC)
     except ValueError as exc:
-        raise Invalid(f"key 'date' of the result file is not {DATE_FORMAT}: {str(body['date'])[:40]!r}") from exc
+        raise Invalid(f"key 'date' of the result file is not {DATE_FORMAT}: "
+                      f"{str(body['date'])[:40]!r}") from exc
     duration = _number(body, "duration")
     samples = _samples(body)
     spec = _spec(body, samples)

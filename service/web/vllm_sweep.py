@@ -147,7 +147,8 @@ def archive(engine: Engine, sweep: Sweep, runs: Sequence[Run], detailed: bool) -
                 elif run.status in FINISHED:
                     failure = {"run_number": number, "error_type": run.status, "error": run.error or "",
                                "serve_overrides": serve, "bench_overrides": bench, "run_id": run.id}
-                    yield from write(f"{folder}/run={number}.failure.json", iter([json.dumps(failure, indent=2)]))
+                    yield from write(f"{folder}/run={number}.failure.json",
+                                     iter([json.dumps(failure, indent=2)]))
             if not measured:
                 continue  # as vLLM leaves a point without a measured trial: no summary.json
 
