@@ -42,6 +42,11 @@ HEADER_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokeniz
                "num_prompts", "request_rate", "burstiness", "max_concurrency",
                "ramp_up_strategy", "ramp_up_start_rps", "ramp_up_end_rps")
 OTHER_KNOWN = ("rtfx", "e2els_including_queue")
+# Counts (requests, tokens) the database holds as they are.
+MAX_COUNT = 2**53
+COUNT_KEYS = ("num_prompts", "completed", "failed", "total_input_tokens", "total_output_tokens")
+# How long the requests of one file may span (start_times are seconds on one clock).
+MAX_SPAN_S = 7 * 24 * 3600
 DATE_FORMAT = "%Y%m%d-%H%M%S"
 PREFILLED_ELSEWHERE = ("real: vLLM computed every prompt's prefill (vllm bench serve, measured "
                        "elsewhere and imported)")
@@ -66,6 +71,14 @@ def _number(body: Mapping[str, Any], key: str) -> float:
     return float(value)
 
 
+def _count(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            0 <= value <= MAX_COUNT and value == int(value)):
+        raise Invalid(f"{key} of the result file is not a count (a whole number from 0 to "
+                      f"{MAX_COUNT}): {str(value)[:60]!r}")
+    return int(value)
+
+
 def _list(body: Mapping[str, Any], key: str, n: int | None) -> list[Any]:
     value = body[key]
     if not isinstance(value, list):
@@ -76,10 +89,11 @@ def _list(body: Mapping[str, Any], key: str, n: int | None) -> list[Any]:
     return value
 
 
-def _numbers(key: str, values: Sequence[Any]) -> None:
+def _numbers(key: str, values: Sequence[Any], least: float = -math.inf) -> None:
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise Invalid(f"entry {i} of {key!r} is not a finite number: {str(v)[:60]!r}")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < least:
+            more = f" of at least {least:g}" if math.isfinite(least) else ""
+            raise Invalid(f"entry {i} of {key!r} is not a finite number{more}: {str(v)[:60]!r}")
 
 
 def _samples(body: Mapping[str, Any]) -> list[Sample]:
@@ -93,13 +107,22 @@ def _samples(body: Mapping[str, Any]) -> list[Sample]:
     n = len(_list(body, SAMPLE_LISTS[0], None))
     lists = {key: _list(body, key, n) for key in SAMPLE_LISTS}
     lists |= {key: _list(body, key, n) for key in OPTIONAL_LISTS if body.get(key) is not None}
-    for key in ("input_lens", "output_lens", "ttfts", "start_times", "latencies", "queue_times"):
+    for key in ("ttfts", "latencies"):
+        _numbers(key, lists[key], least=0.0)
+    for key in ("start_times", "queue_times"):
         if key in lists:
             _numbers(key, lists[key])
+    for key in ("input_lens", "output_lens"):
+        for i, v in enumerate(lists[key]):
+            _count(f"entry {i} of {key!r}", v)
     for i, gaps in enumerate(lists["itls"]):
         if not isinstance(gaps, list):
             raise Invalid(f"entry {i} of 'itls' is not a list of gaps")
-        _numbers(f"itls[{i}]", gaps)
+        _numbers(f"itls[{i}]", gaps, least=0.0)
+    ends = [s + t for s, t in zip(lists["start_times"], lists["latencies"], strict=True)]
+    if n and max(ends) - min(lists["start_times"]) > MAX_SPAN_S:
+        raise Invalid(f"the requests of the result file span {max(ends) - min(lists['start_times']):.3g} s "
+                      f"from the first start to the last end; at most {MAX_SPAN_S} s is taken")
     errors = lists.get("errors")
     texts = lists.get("generated_texts")
     queued = lists.get("queue_times")
@@ -201,11 +224,13 @@ def read_result(body: Any) -> Imported:
         if key not in body:
             raise Invalid(f"not a vllm bench serve result: key {key!r} is missing "
                           f"(a result file has {', '.join(REQUIRED_KEYS)})")
-    if not isinstance(body["model_id"], str) or not body["model_id"].strip():
-        raise Invalid("key 'model_id' of the result file is not a model name")
+    if not isinstance(body["model_id"], str) or not 0 < len(body["model_id"].strip()) <= 512:
+        raise Invalid("key 'model_id' of the result file is not a model name (1 to 512 characters)")
     for key in SUMMARY_KEYS:
         if body.get(key) is not None:
             _number(body, key)
+    for key in COUNT_KEYS:
+        _count(f"key {key!r}", body[key])
     try:
         finished = datetime.strptime(str(body["date"]), DATE_FORMAT).replace(tzinfo=UTC)
     except ValueError as exc:
