@@ -100,7 +100,7 @@ def test_imported_run_can_be_the_baseline_and_is_never_scheduled(client: TestCli
         (lambda d: d.update(completed="eight"), "'completed' of the result file is not a finite number"),
         (lambda d: d.update(date="yesterday"), "'date' of the result file is not"),
         (lambda d: d.update(max_concurrency=-4), "max_concurrency"),
-        (lambda d: d.update(total_output_tokens=1e300), "'total_output_tokens' of the result file is not a count"),
+        (lambda d: d.update(total_output_tokens=1e300), "'total_output_tokens' of the result file is not"),
         (lambda d: d["ttfts"].__setitem__(2, -1.0), "entry 2 of 'ttfts' is not a finite number of at least"),
         (lambda d: d["start_times"].__setitem__(0, -1e12), "the requests of the result file span"),
     ],
