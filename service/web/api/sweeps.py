@@ -78,7 +78,7 @@ def export_sweep(
     or JSON. ``vllm-sweep``: a zip of the directory ``vllm bench sweep serve`` writes (a
     folder per point, ``run=N.json`` per trial, ``summary.json``, ``summary.csv``), for
     ``vllm bench sweep plot``; ``detailed`` keeps every per-request list in the run files,
-    as ``--save-detailed`` does."""
+    as ``--save-detailed`` does. Runs not finished yet are left out; 409 until one has numbers."""
     if format == "vllm-sweep":
         sweep, runs = sweeps.get_sweep(engine, sweep_id)
         if not any(r.status in MEASURED and r.summary is not None for r in runs):
