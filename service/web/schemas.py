@@ -79,6 +79,23 @@ class RunPublic(BaseModel):
         )
 
 
+class RunLive(BaseModel):
+    """A run as a progress display follows it (``GET /api/runs/{id}/live``)."""
+    id: str
+    status: str
+    completed: int
+    failed: int
+    total: int
+    # Seconds since it started (to its end once it ended); null while queued.
+    elapsed_s: float | None
+    # Seconds left at the pace so far; null before the first request ends and once it ended.
+    eta_s: float | None
+    # Over the requests finished so far; null while none has a steady decode gap.
+    decode_median_itl_ms: float | None
+    decode_gaps: int
+    error: str | None
+
+
 class RunList(BaseModel):
     """A page of runs."""
 

@@ -11,9 +11,11 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 from service.analysis import server_metrics
+from service.analysis.metrics import decode_stats
 from service.control import hub
 from service.control.queue import Scheduler
 from service.core.errors import Conflict, Invalid
+from service.core.ids import utcnow
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import FINISHED, RunStatus
@@ -22,6 +24,7 @@ from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import (
     RunList,
+    RunLive,
     RunPublic,
     ServerMetricsPublic,
     ServerMetricsSummary,
@@ -143,6 +146,31 @@ def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -
             return False
         # Placed between the two looks: its runner has it now.
     return False
+
+
+@router.get("/api/runs/{run_id}/live", response_model=RunLive, dependencies=READ)
+def get_live(run_id: str, engine: DB) -> RunLive:
+    """How a run is going, for a progress display: requests done of total, seconds since it
+    started, an estimate of the seconds left, and the decode median ITL of the requests
+    finished so far (the steady decode window over them, as the summary takes it)."""
+    run = store.get_run(engine, run_id)
+    done = run.completed + run.failed
+    elapsed = None
+    if run.started_at is not None:
+        elapsed = ((run.finished_at or utcnow()) - run.started_at).total_seconds()
+    eta = None
+    if elapsed is not None and run.status not in FINISHED and 0 < done < run.total:
+        eta = elapsed / done * (run.total - done)
+    if run.summary is not None:
+        itl, gaps = run.summary.get("decode_median_itl_ms"), run.summary.get("decode_gaps")
+    else:
+        samples = [s for found in measurements.sample_slices(engine, run_id) for s in found]
+        decode = decode_stats(samples) if any(s.success for s in samples) else {}
+        itl, gaps = decode.get("decode_median_itl_ms"), decode.get("decode_gaps")
+    return RunLive(id=run.id, status=run.status, completed=run.completed, failed=run.failed,
+                   total=run.total, elapsed_s=elapsed, eta_s=eta,
+                   decode_median_itl_ms=itl if gaps else None, decode_gaps=int(gaps or 0),
+                   error=run.error)
 
 
 @router.get(
