@@ -276,3 +276,20 @@ def test_the_token_is_read_from_the_data_folder_of_a_local_service(service: Any,
                              cwd=tmp_path, capture_output=True, text=True, timeout=60,
                              env={**env, "PYTHONPATH": str(REPO)})
     assert missing.returncode == 1 and "wants its API token" in missing.stderr
+
+
+def test_the_export_refuses_percentile_options_it_cannot_honour(service: Any) -> None:
+    run = service.post("/api/runs", json={"num_prompts": 2, "input_len": 8, "output_len": 3}).json()
+    deadline = time.monotonic() + 120
+    while service.get(f"/api/runs/{run['id']}").json()["status"] != "succeeded":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    for params, named in (({"percentile_metrics": "ttft,bogus"}, "bogus"),
+                          ({"metric_percentiles": "99,x"}, "metric_percentiles"),
+                          ({"metric_percentiles": "101"}, "within 0-100"),
+                          ({"metadata": "novalue"}, "KEY=VALUE")):
+        answer = service.get(f"/api/runs/{run['id']}/export", params=params)
+        assert answer.status_code == 422 and named in answer.text, (params, answer.text)
+    live = service.get(f"/api/runs/{run['id']}/live").json()
+    assert (live["completed"], live["total"], live["status"]) == (2, 2, "succeeded")
+    assert live["eta_s"] is None and live["elapsed_s"] > 0 and live["decode_median_itl_ms"] > 0
