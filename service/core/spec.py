@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from service.core.modelconfig import MaxLen, long_max_len_allowed, model_dir_max_len
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 
 MAX_INPUT_LEN = 1 << 20
@@ -283,19 +284,43 @@ class RunSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _fits(self) -> RunSpec:
-        longest_prompt = math.floor(self.input_len * (1 + self.range_ratio))
-        longest_output = math.floor(self.output_len * (1 + self.range_ratio))
-        limit = self.engine.max_model_len
-        if limit is None and self.model == TINY_MODEL_NAME:
-            limit = MAX_MODEL_LEN
-        if limit is not None and longest_prompt + longest_output > limit:
+    def _fits(self, info: ValidationInfo) -> RunSpec:
+        needed = self.longest_request_tokens()
+        own = self.model_max_len(info)
+        asked = self.engine.max_model_len
+        # A stored spec is not judged again on it: one accepted before this check was kept.
+        if (asked is not None and own is not None and asked > own.tokens and not _is_stored(info)
+                and not long_max_len_allowed()):
+            raise ValueError(
+                f"engine.max_model_len {asked} is above the model's max length {own.tokens} "
+                f"({own.source}): vLLM would refuse to start (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN "
+                "is set where the service runs)"
+            )
+        if asked is not None:
+            limit, source = asked, "engine.max_model_len"
+        elif own is not None:
+            limit, source = own.tokens, own.source
+        else:
+            return self
+        if needed > limit:
             raise ValueError(
                 f"input_len {self.input_len} plus output_len {self.output_len} (with range_ratio "
-                f"{self.range_ratio}) needs {longest_prompt + longest_output} tokens, more than "
-                f"the model's max length {limit}"
+                f"{self.range_ratio}) needs {needed} tokens, more than the model's max length "
+                f"{limit} ({source}): lower input_len or output_len"
+                + ("" if asked is not None else ", or give a longer engine.max_model_len if the "
+                   "model takes one")
             )
         return self
+
+    def model_max_len(self, info: ValidationInfo | None = None) -> MaxLen | None:
+        """The model's own longest sequence where it can be known here: the bundled tiny
+        model's, or a local model directory's config (not for a spec read back from the
+        database: its directory may have changed since)."""
+        if self.model == TINY_MODEL_NAME:
+            return MaxLen(MAX_MODEL_LEN, "the bundled tiny model's max_position_embeddings")
+        if self.model.startswith("/") and (info is None or not _is_stored(info)):
+            return model_dir_max_len(Path(self.model))
+        return None
 
     @model_validator(mode="after")
     def _stop_bounds(self) -> RunSpec:
