@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 from service.analysis import comparison, server_metrics
 from service.analysis.metrics import measured
 from service.core.protocol import connector_totals
-from service.core.spec import EngineSpec, effective_load_format, worker_key
+from service.core.spec import EXTRA_ARGS, EngineSpec, effective_load_format, worker_key
 from service.core.status import FINISHED, RunStatus
 from service.storage import measurements, store, sweeps, workers
 from service.storage.logs import log_tail
@@ -110,6 +110,7 @@ def index(
             "workers": workers.active_workers(engine) if page == 1 else [],
             "ended_workers": workers.ended_workers(engine, RECENT_ENDED_WORKERS) if page == 1 else [],
             "cluster": cluster,
+            "extra_args": sorted(EXTRA_ARGS),
         },
     )
 
