@@ -3,6 +3,7 @@ rule, for a run and for a sweep, in a real browser logged in with the token."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,14 @@ def test_a_sweep_from_the_form_carries_them_to_every_point(service: ServiceProce
     assert {r["spec"]["input_len"] for r in sweep["runs"]} == {16, 32}
     for run in sweep["runs"]:
         _carries_the_options(run["spec"])
+
+
+def test_the_open_form_fits_a_1280_px_window(page: Browser, tmp_path: Path) -> None:
+    page.run("document.getElementById('submit').open = true")
+    wide = page.run("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+    assert wide[0] <= wide[1], f"the index scrolls sideways with the form open: {wide}"
+    shot = page.call("Page.captureScreenshot", session=True, format="png")["data"]
+    (tmp_path / "form.png").write_bytes(base64.b64decode(shot))
 
 
 def test_the_form_shows_the_apis_message_for_a_stop_rule_without_a_rule(page: Browser) -> None:
