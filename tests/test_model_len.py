@@ -98,3 +98,25 @@ def test_the_limit_is_read_as_vllm_reads_it(config: dict[str, Any], tokenizer: d
                                             tokens: int, source: str) -> None:
     found = max_len_of(config, tokenizer)
     assert found.tokens == tokens and source in found.source, found
+
+
+def _hub_cache(root: Path, repo_id: str, config: dict[str, Any]) -> Path:
+    """A Hugging Face cache in ``root`` holding a snapshot of ``repo_id`` (its config only)."""
+    snapshot = root / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def test_a_cached_hub_model_is_held_to_its_config_too(
+    client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(_hub_cache(tmp_path / "hf", "acme/qwen-7b", QWEN)))
+    too_long = client.post("/api/runs", json={**SMALL, "model": "acme/qwen-7b", "input_len": 32768})
+    assert too_long.status_code == 422, too_long.text
+    detail = json.dumps(too_long.json()["detail"])
+    assert "acme/qwen-7b" in detail and "max length 32768" in detail
+    sweep = client.post("/api/sweeps", json={"base": {**SMALL, "model": "acme/qwen-7b"},
+                                             "grid": {"input_len": [1024, 40000]}})
+    assert sweep.status_code == 422 and "max length 32768" in json.dumps(sweep.json()["detail"])
+    assert client.get("/api/runs").json()["total"] == 0

@@ -285,32 +285,34 @@ class RunSpec(Strict):
 
     @model_validator(mode="after")
     def _fits(self, info: ValidationInfo) -> RunSpec:
-        needed = self.longest_request_tokens()
-        own = self.model_max_len(info)
+        # A stored spec is not judged again on its engine: one accepted before was kept.
+        problem = self.length_problem(self.model_max_len(info), judge_engine=not _is_stored(info))
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def length_problem(self, own: MaxLen | None, judge_engine: bool = True) -> str | None:
+        """Why this run's longest request does not fit its server (``engine.max_model_len``
+        when given, else ``own``, the model's own limit), or why vLLM would refuse that
+        ``engine.max_model_len`` for the model; None when it fits or nothing is known."""
         asked = self.engine.max_model_len
-        # A stored spec is not judged again on it: one accepted before this check was kept.
-        if (asked is not None and own is not None and asked > own.tokens and not _is_stored(info)
+        if (judge_engine and asked is not None and own is not None and asked > own.tokens
                 and not long_max_len_allowed()):
-            raise ValueError(
-                f"engine.max_model_len {asked} is above the model's max length {own.tokens} "
-                f"({own.source}): vLLM would refuse to start (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN "
-                "is set where the service runs)"
-            )
+            return (f"engine.max_model_len {asked} is above the model's max length {own.tokens} "
+                    f"({own.source}): vLLM would refuse to start (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN "
+                    "is set where the service runs)")
         if asked is not None:
             limit, source = asked, "engine.max_model_len"
         elif own is not None:
             limit, source = own.tokens, own.source
         else:
-            return self
-        if needed > limit:
-            raise ValueError(
-                f"input_len {self.input_len} plus output_len {self.output_len} (with range_ratio "
+            return None
+        needed = self.longest_request_tokens()
+        if needed <= limit:
+            return None
+        return (f"input_len {self.input_len} plus output_len {self.output_len} (with range_ratio "
                 f"{self.range_ratio}) needs {needed} tokens, more than the model's max length "
-                f"{limit} ({source}): lower input_len or output_len"
-                + ("" if asked is not None else ", or give a longer engine.max_model_len if the "
-                   "model takes one")
-            )
-        return self
+                f"{limit} ({source}): lower input_len or output_len")
 
     def model_max_len(self, info: ValidationInfo | None = None) -> MaxLen | None:
         """The model's own longest sequence where it can be known here: the bundled tiny
