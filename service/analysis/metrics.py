@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 import numpy as np
 
@@ -452,3 +453,26 @@ def summary_intervals(samples: Sequence[Sample], seed: int = 0) -> dict[str, lis
         if interval is not None:
             out[f"decode_median_{name}_ms_ci"] = interval.scaled(1000).pair()
     return out
+
+
+# Summary keys that count or time the run rather than measure answered requests: true
+# whatever came back.
+COUNTED_KEYS = frozenset({"duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                          "decode_gaps", "roofline", "energy"})
+
+
+def measured(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A summary as the API and pages show it: a figure over no values is None, not the 0
+    that vLLM's keys hold for it (every figure when no request was answered, the ``decode_``
+    ones when the steady window holds no gap). The stored summary keeps vLLM's zeros."""
+    if summary is None:
+        return None
+    shown = dict(summary)
+    if summary.get("completed") == 0:
+        empty = [k for k in shown if k not in COUNTED_KEYS]
+    elif summary.get("decode_gaps") == 0:
+        empty = [k for k in shown if k.startswith("decode_") and k != "decode_gaps"]
+    else:
+        return shown
+    shown.update(dict.fromkeys(empty))
+    return shown

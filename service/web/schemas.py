@@ -10,6 +10,7 @@ from pydantic import (
     Field,
 )
 
+from service.analysis.metrics import measured
 from service.core.protocol import connector_totals
 from service.storage.tables import Run
 
@@ -66,7 +67,7 @@ class RunPublic(BaseModel):
             finished_at=run.finished_at,
             worker_id=run.worker_id,
             progress=Progress(completed=run.completed, failed=run.failed, total=run.total),
-            summary=run.summary,
+            summary=measured(run.summary),
             connector=connector,
             warnings=[RunWarning(**w) for w in run.warnings or []],
             cpu_binding=run.cpu_binding,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -18,6 +19,7 @@ from service.control import hub
 from service.control.queue import Scheduler
 from service.core.errors import Conflict, Invalid
 from service.core.ids import utcnow
+from service.core.modelconfig import MaxLen
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import FINISHED, RunStatus
@@ -57,6 +59,7 @@ def submit_run(
 ) -> Any:
     """Queue a benchmark run."""
     check_model(request, engine, spec.model)
+    check_fits(request, engine, [spec])
     check_backend(request, spec)
     run, created = store.create_run(engine, spec, idempotency_key)
     if created:
@@ -94,6 +97,22 @@ def check_model(request: Request, engine: Engine, model: str) -> None:
     problem = hub.model_problem(model, request.app.state.settings.hub_check)
     if problem is not None:
         raise Invalid(problem)
+
+
+def check_fits(request: Request, engine: Engine, specs: Sequence[RunSpec]) -> None:
+    """A 422 now for a run longer than its hub model takes, read from the model's cached
+    config (``RunSpec`` checks local directories and the tiny model itself)."""
+    if request.app.state.settings.hub_check == "off":
+        return
+    registered = {w.model for w in workers.active_workers(engine) if w.external}
+    limits: dict[str, MaxLen | None] = {}
+    for spec in specs:
+        if spec.model in registered:  # a registered server's length is its own
+            continue
+        if spec.model not in limits:
+            limits[spec.model] = hub.cached_max_len(spec.model)
+        if (problem := spec.length_problem(limits[spec.model])) is not None:
+            raise Invalid(f"model {spec.model!r}: {problem}")
 
 
 @router.get("/api/runs/{run_id}", response_model=RunPublic, dependencies=READ)
