@@ -88,7 +88,7 @@ def decodebench_lines(run: Mapping[str, Any], url: str) -> list[str]:
                            ("decode_median_tpot_ms", "Decode median TPOT (ms):")):
             if key in summary:
                 lines.append(f"{label:<40} {_ms(summary[key])}{_interval(summary.get(f'{key}_ci'))}")
-        lines.append(_line("Steady decode gaps:", summary.get("decode_gaps", 0), False))
+        lines.append(_line("Steady decode gaps:", summary.get("decode_gaps") or 0, False))
         roof = summary.get("roofline") or {}
         if roof.get("pct_of_roofline") is not None:
             lines.append(_line("Share of the roofline (%):", roof["pct_of_roofline"]))
