@@ -43,7 +43,7 @@ compose-tool:
 		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q docker-compose; }
 
 run: setup
-	$(PY) -m service
+	$(VENV)/bin/decodebench serve
 
 lint: setup-dev
 	$(VENV)/bin/ruff check service connector tests benchmarks

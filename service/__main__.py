@@ -54,6 +54,25 @@ def ready_banner(settings: Settings) -> str:
     return "\n".join(lines)
 
 
+# Where the connector inside every vLLM server calls the service, about once a second each.
+CONNECTOR_PATHS = "/api/connector/"
+
+
+class RoutineConnectorCalls(logging.Filter):
+    """Keeps the connector's answered calls (``/api/connector/*`` with a 2xx) out of
+    uvicorn's access log; its refused and failed calls, and every other line, stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access records carry (client, method, path, http version, status).
+        args = record.args
+        if not isinstance(args, tuple) or len(args) != 5:
+            return True
+        path, status = args[2], args[4]
+        routine = (isinstance(path, str) and path.startswith(CONNECTOR_PATHS)
+                   and isinstance(status, int) and 200 <= status < 300)
+        return not routine
+
+
 class Server(uvicorn.Server):
     """uvicorn's server, printing ``banner`` once it listens: after uvicorn's own lines, so
     a start ends with where to go."""
@@ -98,8 +117,11 @@ def main() -> None:
     # collector's full passes, which would otherwise stall the load generator mid-run.
     gc.collect()
     gc.freeze()
-    server = Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info"),
-                    ready_banner(settings))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info")
+    # After the Config: it sets up uvicorn's loggers, and would drop a filter added before.
+    if not settings.log_connector_traffic:
+        logging.getLogger("uvicorn.access").addFilter(RoutineConnectorCalls())
+    server = Server(config, ready_banner(settings))
     server.run()
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the server did not start (the port taken, say)

@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     hub_check: Literal["off", "cache", "online"] = "online"
     # How often registered (external) vLLM servers are health-probed.
     worker_probe_s: float = Field(default=5.0, gt=0)
+    # Log the connector's routine calls (``/api/connector/*`` answered 2xx) in the access
+    # log: off by default, they were a third of the log; their failures are always logged.
+    log_connector_traffic: bool = False
     # Each worker log is kept to about twice this (the file and one rotated copy).
     worker_log_max_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
     # The logs of this many ended workers, the last to end, are kept; older ones are deleted

@@ -11,6 +11,8 @@ Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers
 ``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, /health hangs too,
 unless ``STUB_HANG_HEALTHY`` is set: then it answers, as a stuck engine's API server does),
 ``STUB_FIRST_TOKEN_S`` (each stream is silent this long before its first token, a prefill),
+``STUB_REFUSE_REQUESTS`` (every completion is answered 400 with this message, as vLLM
+refuses a request too long for its ``--max-model-len``),
 ``STUB_IGNORE_SIGTERM`` (only SIGKILL stops it), ``STUB_GRANDCHILD`` (spawns a
 long-lived grandchild in its process group; its pid goes to /stub/requests),
 ``STUB_BUNCHED`` (each stream is made at the usual pace but sent in one write at its
@@ -170,6 +172,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     hang_after = int(os.environ.get("STUB_HANG_AFTER_TOKENS", "0"))
     hang_healthy = bool(os.environ.get("STUB_HANG_HEALTHY"))
     first_token_s = float(os.environ.get("STUB_FIRST_TOKEN_S", "0"))
+    refusal = os.environ.get("STUB_REFUSE_REQUESTS")
     if os.environ.get("STUB_GRANDCHILD"):
         state["grandchild"] = subprocess.Popen(["sleep", "3600"]).pid
 
@@ -224,6 +227,9 @@ def build_app(served_name: str, interval: float, startup_delay: float,
         n_out = int(body.get("max_tokens") or 16)
         n_in = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
 
+        if refusal:  # as vLLM answers a request it cannot take
+            return JSONResponse({"error": {"message": refusal, "type": "BadRequestError", "param": None,
+                                           "code": 400}}, status_code=400)
         number = state["requests"]
         params = body.get("kv_transfer_params") or {}
         run_id = params.get("decodebench_run_id") if isinstance(params, dict) else None

@@ -268,6 +268,26 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert first["id"] in service.get("/").text
 
 
+def test_the_command_line_runs_a_fill_benchmark_on_the_real_server(
+        service: httpx.Client, tmp_path: Path) -> None:
+    """``decodebench bench serve`` with vLLM's flags, once against a real vLLM CPU server: the
+    result block, decodebench's lines and the result file, from the connector's fill."""
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "--url", str(service.base_url), "--token", API_TOKEN,
+         "bench", "serve", "--dataset-name", "random", "--random-input-len", "4096",
+         "--random-output-len", "16", "--num-prompts", "4", "--max-concurrency", "2",
+         "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{'Successful requests:':<40} {4:<10}" in done.stdout
+    assert "fill: KV cache filled by the connector" in done.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 4 and result["total_input_tokens"] == 4 * 4096
+    assert result["decodebench_mode"] == "fill"
+    assert result["decodebench"]["connector"]["pulls"] == 1
+    assert result["decodebench"]["decode"]["decode_median_itl_ms"] > 0
+
+
 def test_fill_values_change_the_generated_tokens(service: httpx.Client) -> None:
     common: dict[str, Any] = {"input_len": 2048, "output_len": 16, "num_prompts": 3,
                               "max_concurrency": 1, "seed": 7}

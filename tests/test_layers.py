@@ -88,3 +88,19 @@ def test_ray_is_not_imported_without_a_ray_address(tmp_path: Path) -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_command_line_is_a_client_of_the_api_only() -> None:
+    """``service/cli`` talks to the service over HTTP: it imports nothing of the service but
+    itself (and ``service.__main__``, which ``decodebench serve`` starts); nothing imports it."""
+    wrong = []
+    for path in service_files():
+        inside = "cli" in path.relative_to(ROOT / "service").parts[:1]
+        for line, module in imports(path):
+            if not module.startswith("service"):
+                continue
+            if inside and not module.startswith(("service.cli", "service.__main__")):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+            if not inside and module.startswith("service.cli"):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports the command line ({module})")
+    assert not wrong, "\n".join(wrong)

@@ -118,3 +118,15 @@ def test_summary_intervals_hold_the_summary_values() -> None:
     lo, hi = intervals["decode_median_itl_ms_ci"]
     assert lo <= summary["decode_median_itl_ms"] <= hi  # type: ignore[operator]
     assert summary_intervals(samples[:1]) == {}
+
+
+def test_a_bootstrap_whose_resamples_reach_a_zero_statistic_gives_no_interval_and_no_warning() -> None:
+    # Four of A's ten requests have a zero median gap (tokens that arrived together): some
+    # resamples of A have a median of 0, where B/A has no bound. pytest turns warnings into
+    # errors here, as it did when this made the percentiles compute inf - inf.
+    a = [[0.0]] * 4 + [[0.01]] * 6
+    b = [[0.01]] * 10
+    assert ratio_by_requests(a, b, 0.5) is None
+    # A's requests all positive: an interval as usual.
+    found = ratio_by_requests([[0.01, 0.012]] * 5 + [[0.011]] * 5, b, 0.5)
+    assert found is not None and found.lo <= found.value <= found.hi

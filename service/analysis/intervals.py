@@ -246,6 +246,11 @@ BOOTSTRAP = "bootstrap over requests"
 T_TRIALS = "Welch t over trials"
 
 
+# What a bootstrap resample without a ratio (its A statistic 0) counts as: far above any
+# ratio, yet small enough that scipy's standard error of the resamples stays finite.
+UNBOUNDED = 1e100
+
+
 def ratio_by_requests(a: Sequence[Sequence[float] | np.ndarray], b: Sequence[Sequence[float] | np.ndarray],
                       q: float, confidence: float = CONFIDENCE, n_resamples: int = RESAMPLES,
                       seed: int = 0) -> Ratio | None:
@@ -265,7 +270,9 @@ def ratio_by_requests(a: Sequence[Sequence[float] | np.ndarray], b: Sequence[Seq
         va = qa(np.moveaxis(pa, axis, -1))
         vb = qb(np.moveaxis(pb, axis, -1))
         with np.errstate(divide="ignore", invalid="ignore"):
-            out: np.ndarray = np.where(va > 0, vb / np.where(va > 0, va, 1.0), np.inf)
+            # A resample whose A statistic is 0 has no ratio: UNBOUNDED stands for it (an
+            # infinity would make the percentiles' interpolation and the spread inf - inf).
+            out: np.ndarray = np.where(va > 0, vb / np.where(va > 0, va, 1.0), UNBOUNDED)
         return out
 
     result = stats.bootstrap(
@@ -274,6 +281,8 @@ def ratio_by_requests(a: Sequence[Sequence[float] | np.ndarray], b: Sequence[Seq
         method="percentile", random_state=np.random.default_rng(seed),
     )
     ci = result.confidence_interval
+    if not (np.isfinite(ci.low) and np.isfinite(ci.high)) or ci.high >= UNBOUNDED / 2:
+        return None  # zero statistics within the interval: no bound on the ratio
     return Ratio(other / base, float(ci.low), float(ci.high), BOOTSTRAP)
 
 

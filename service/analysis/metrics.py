@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 import numpy as np
 
@@ -338,10 +339,12 @@ def export_vllm(
 
 
 def vllm_result(summary: Mapping[str, object], spec_info: Mapping[str, object],
-                lists: Mapping[str, object], requests: int) -> dict[str, object]:
+                lists: Mapping[str, object], requests: int,
+                stats: Mapping[str, float] | None = None) -> dict[str, object]:
     """``export_vllm``'s dict with ``lists`` under the keys of ``VLLM_REQUEST_LISTS``
     (the lists, or what stands for them in a writer that streams them); ``requests``: how
-    many samples the run has."""
+    many samples the run has; ``stats``: the latency statistics to write (``selected_stats``),
+    by default every ``*_ms`` figure of the summary."""
     backend = spec_info.get("backend", "openai")
     result: dict[str, object] = {
         "date": spec_info.get("date") or datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -372,8 +375,43 @@ def vllm_result(summary: Mapping[str, object], spec_info: Mapping[str, object],
         # Real-time factor of audio benchmarks; always 0 for text, as in vLLM.
         "rtfx": 0.0,
     })
-    result.update({k: v for k, v in summary.items() if k.endswith("_ms")})
+    if stats is None:
+        stats = {k: v for k, v in summary.items() if k.endswith("_ms")}  # type: ignore[misc]
+    result.update(stats)
     return result
+
+
+# What ``--percentile-metrics`` of ``vllm bench serve`` may name for a text model, in the
+# order vLLM writes them; the last two exist only for a run with a concurrency limit (and,
+# for the last, a finite request rate), as in vLLM.
+VLLM_PERCENTILE_METRICS: tuple[str, ...] = (
+    "ttft", "tpot", "itl", "e2el", "client_queue_time", "e2el_including_client_queue")
+
+
+def selected_stats(samples: Sequence[Sample], metrics: Sequence[str], percentiles: Sequence[float],
+                   max_concurrency: int | None, request_rate: float | None) -> dict[str, float]:
+    """The latency statistics ``vllm bench serve --percentile-metrics M --metric-percentiles P``
+    writes (mean, median, std and each percentile of each metric named, in ms), from the samples.
+    Unknown names raise ``ValueError``."""
+    unknown = [m for m in metrics if m not in VLLM_PERCENTILE_METRICS]
+    if unknown:
+        raise ValueError(f"unknown percentile metrics {unknown}; known: {list(VLLM_PERCENTILE_METRICS)}")
+    ok = [s for s in samples if s.success]
+    values: dict[str, list[float]] = {
+        "ttft": [s.ttft for s in ok],
+        "tpot": [t for s in ok if (t := s.tpot()) is not None],
+        "itl": [gap for s in ok for gap in s.itl],
+        "e2el": [s.latency for s in ok],
+    }
+    if max_concurrency is not None:
+        values["client_queue_time"] = [_queue_time(s) for s in ok]
+        if request_rate is not None and not math.isinf(request_rate):
+            values["e2el_including_client_queue"] = [s.latency + _queue_time(s) for s in ok]
+    out: dict[str, float] = {}
+    for name in VLLM_PERCENTILE_METRICS:
+        if name in metrics and name in values:
+            out.update(_stats(name, values[name], percentiles))
+    return out
 
 
 # Statistics that get a 95% interval in a run's summary, as ``<key>_ci: [lo, hi]`` (ms).
@@ -415,3 +453,26 @@ def summary_intervals(samples: Sequence[Sample], seed: int = 0) -> dict[str, lis
         if interval is not None:
             out[f"decode_median_{name}_ms_ci"] = interval.scaled(1000).pair()
     return out
+
+
+# Summary keys that count or time the run rather than measure answered requests: true
+# whatever came back.
+COUNTED_KEYS = frozenset({"duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                          "decode_gaps", "roofline", "energy"})
+
+
+def measured(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A summary as the API and pages show it: a figure over no values is None, not the 0
+    that vLLM's keys hold for it (every figure when no request was answered, the ``decode_``
+    ones when the steady window holds no gap). The stored summary keeps vLLM's zeros."""
+    if summary is None:
+        return None
+    shown = dict(summary)
+    if summary.get("completed") == 0:
+        empty = [k for k in shown if k not in COUNTED_KEYS]
+    elif summary.get("decode_gaps") == 0:
+        empty = [k for k in shown if k.startswith("decode_") and k != "decode_gaps"]
+    else:
+        return shown
+    shown.update(dict.fromkeys(empty))
+    return shown

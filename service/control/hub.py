@@ -19,6 +19,7 @@ from typing import Literal
 
 import httpx
 
+from service.core.modelconfig import MaxLen, model_dir_max_len
 from service.core.tinymodel import TINY_MODEL_NAME
 
 HubCheck = Literal["off", "cache", "online"]
@@ -97,3 +98,12 @@ def model_problem(model: str, check: HubCheck, env: Mapping[str, str] | None = N
     return (f"model {model!r} cannot be loaded: {'; '.join(tried)}. Download it first "
             "(huggingface-cli download " + model + "), or give the absolute path of a local "
             "model directory")
+
+
+def cached_max_len(model: str, env: Mapping[str, str] | None = None) -> MaxLen | None:
+    """The longest sequence a repo id takes, from its cached snapshot's config (None when
+    it is not in the cache: then nothing is known before its server starts)."""
+    if model == TINY_MODEL_NAME or model.startswith("/"):
+        return None
+    config = cached_config(model, hub_cache_dir(env))
+    return model_dir_max_len(config.parent) if config is not None else None

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from service.core.modelconfig import MaxLen, long_max_len_allowed, model_dir_max_len
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 
 MAX_INPUT_LEN = 1 << 20
@@ -283,19 +284,45 @@ class RunSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _fits(self) -> RunSpec:
-        longest_prompt = math.floor(self.input_len * (1 + self.range_ratio))
-        longest_output = math.floor(self.output_len * (1 + self.range_ratio))
-        limit = self.engine.max_model_len
-        if limit is None and self.model == TINY_MODEL_NAME:
-            limit = MAX_MODEL_LEN
-        if limit is not None and longest_prompt + longest_output > limit:
-            raise ValueError(
-                f"input_len {self.input_len} plus output_len {self.output_len} (with range_ratio "
-                f"{self.range_ratio}) needs {longest_prompt + longest_output} tokens, more than "
-                f"the model's max length {limit}"
-            )
+    def _fits(self, info: ValidationInfo) -> RunSpec:
+        # A stored spec is not judged again on its engine: one accepted before was kept.
+        problem = self.length_problem(self.model_max_len(info), judge_engine=not _is_stored(info))
+        if problem is not None:
+            raise ValueError(problem)
         return self
+
+    def length_problem(self, own: MaxLen | None, judge_engine: bool = True) -> str | None:
+        """Why this run's longest request does not fit its server (``engine.max_model_len``
+        when given, else ``own``, the model's own limit), or why vLLM would refuse that
+        ``engine.max_model_len`` for the model; None when it fits or nothing is known."""
+        asked = self.engine.max_model_len
+        if (judge_engine and asked is not None and own is not None and asked > own.tokens
+                and not long_max_len_allowed()):
+            return (f"engine.max_model_len {asked} is above the model's max length {own.tokens} "
+                    f"({own.source}): vLLM would refuse to start (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN "
+                    "is set where the service runs)")
+        if asked is not None:
+            limit, source = asked, "engine.max_model_len"
+        elif own is not None:
+            limit, source = own.tokens, own.source
+        else:
+            return None
+        needed = self.longest_request_tokens()
+        if needed <= limit:
+            return None
+        return (f"input_len {self.input_len} plus output_len {self.output_len} (with range_ratio "
+                f"{self.range_ratio}) needs {needed} tokens, more than the model's max length "
+                f"{limit} ({source}): lower input_len or output_len")
+
+    def model_max_len(self, info: ValidationInfo | None = None) -> MaxLen | None:
+        """The model's own longest sequence where it can be known here: the bundled tiny
+        model's, or a local model directory's config (not for a spec read back from the
+        database: its directory may have changed since)."""
+        if self.model == TINY_MODEL_NAME:
+            return MaxLen(MAX_MODEL_LEN, "the bundled tiny model's max_position_embeddings")
+        if self.model.startswith("/") and (info is None or not _is_stored(info)):
+            return model_dir_max_len(Path(self.model))
+        return None
 
     @model_validator(mode="after")
     def _stop_bounds(self) -> RunSpec:

@@ -10,6 +10,7 @@ from pydantic import (
     Field,
 )
 
+from service.analysis.metrics import measured
 from service.core.protocol import connector_totals
 from service.storage.tables import Run
 
@@ -66,7 +67,7 @@ class RunPublic(BaseModel):
             finished_at=run.finished_at,
             worker_id=run.worker_id,
             progress=Progress(completed=run.completed, failed=run.failed, total=run.total),
-            summary=run.summary,
+            summary=measured(run.summary),
             connector=connector,
             warnings=[RunWarning(**w) for w in run.warnings or []],
             cpu_binding=run.cpu_binding,
@@ -77,6 +78,23 @@ class RunPublic(BaseModel):
             trial=run.trial,
             provenance=run.provenance,
         )
+
+
+class RunLive(BaseModel):
+    """A run as a progress display follows it (``GET /api/runs/{id}/live``)."""
+    id: str
+    status: str
+    completed: int
+    failed: int
+    total: int
+    # Seconds since it started (to its end once it ended); null while queued.
+    elapsed_s: float | None
+    # Seconds left at the pace so far; null before the first request ends and once it ended.
+    eta_s: float | None
+    # Over the requests finished so far; null while none has a steady decode gap.
+    decode_median_itl_ms: float | None
+    decode_gaps: int
+    error: str | None
 
 
 class RunList(BaseModel):

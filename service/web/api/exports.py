@@ -8,16 +8,16 @@ import functools
 import io
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 from sqlalchemy import Engine
 
 from service.analysis import server_metrics
-from service.analysis.metrics import VLLM_REQUEST_LISTS, is_bunched, vllm_result
+from service.analysis.metrics import VLLM_REQUEST_LISTS, is_bunched, selected_stats, vllm_result
 from service.core import provenance
-from service.core.errors import Conflict
+from service.core.errors import Conflict, Invalid
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import effective_load_format
@@ -159,26 +159,90 @@ def _vllm_info(engine: Engine, run: Run) -> dict[str, Any]:
     }
 
 
+# What vllm bench serve writes without --percentile-metrics and --metric-percentiles (text models).
+VLLM_DEFAULT_METRICS = "ttft,tpot,itl"
+VLLM_DEFAULT_PERCENTILES = "99"
+# The per-request lists vllm bench serve leaves out of its file without --save-detailed.
+VLLM_DETAILED_LISTS = ("input_lens", "output_lens", "start_times", "ttfts", "itls",
+                       "generated_texts", "errors")
+
+
+def _metadata(items: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` items as vLLM's --metadata reads them (split at the first ``=``)."""
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise Invalid(f"metadata {item!r} is not KEY=VALUE")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _selected(engine: Engine, run: Run, metrics: str, percentiles: str) -> dict[str, float]:
+    """``selected_stats`` of a run's samples, for options given as vLLM's flags take them."""
+    try:
+        chosen = [float(p) for p in percentiles.split(",")]
+    except ValueError as error:
+        raise Invalid(f"metric_percentiles {percentiles!r}: {error}") from None
+    if any(not 0 <= p <= 100 for p in chosen):
+        raise Invalid(f"metric_percentiles {percentiles!r}: each must be within 0-100")
+    spec = run.spec
+    try:
+        samples = [x for found in measurements.sample_slices(engine, run.id) for x in found]
+        return selected_stats(samples, metrics.split(","), chosen,
+                              spec.get("max_concurrency"), spec.get("request_rate"))
+    except ValueError as error:
+        raise Invalid(f"percentile_metrics: {error}") from None
+
+
 @router.get(
     "/api/runs/{run_id}/export", response_model=None, dependencies=READ,
     responses={200: {"description": "vLLM result JSON, or CSV of the samples",
                      "content": {"application/json": {}, "text/csv": {}}}},
 )
-def export_run(run_id: str, engine: DB, format: Literal["vllm", "csv"] = "vllm") -> StreamingResponse:
-    """The run as vLLM-bench-compatible JSON, or its samples as CSV."""
+def export_run(
+    run_id: str,
+    engine: DB,
+    format: Literal["vllm", "csv"] = "vllm",
+    percentile_metrics: Annotated[str | None, Query(max_length=200, description=(
+        "As vllm bench serve's --percentile-metrics (e.g. `ttft,tpot,itl`): only these metrics' "
+        "statistics, computed from the samples; decodebench's own decode figures then go to the "
+        "`decodebench` block"))] = None,
+    metric_percentiles: Annotated[str | None, Query(max_length=200, description=(
+        "As --metric-percentiles (e.g. `50,99.9`); with either option unset, vLLM's default "
+        "(`ttft,tpot,itl` and `99`) stands for it"))] = None,
+    detailed: Annotated[bool, Query(description=(
+        "As --save-detailed: keep the per-request lists (input_lens, itls, ...); without it, "
+        "they are left out as vLLM leaves them out"))] = True,
+    label: Annotated[str | None, Query(max_length=200, description="As --label")] = None,
+    metadata: Annotated[list[str] | None, Query(max_length=32, description=(
+        "As --metadata KEY=VALUE, repeated"))] = None,
+) -> StreamingResponse:
+    """The run as vLLM-bench-compatible JSON, or its samples as CSV. With the options named
+    like ``vllm bench serve``'s, the file has the keys that command writes for them."""
     run = store.get_run(engine, run_id)
     name = f"decodebench-{run.id}"
     if format == "csv":
         return csv_attachment(name, CSV_FIELDS, _csv_rows(engine, run))
     if run.summary is None:
         raise Conflict(f"run {run_id} has no summary yet (status {run.status})")
-    return StreamingResponse(result_pieces(engine, run_id, run_result(engine, run)),
-                             media_type="application/json",
+    info = _vllm_info(engine, run)
+    if label is not None:
+        info["label"] = label
+    info["metadata"] = {**_metadata(metadata or []), **info["metadata"]}
+    stats = None
+    if percentile_metrics is not None or metric_percentiles is not None:
+        stats = _selected(engine, run, percentile_metrics or VLLM_DEFAULT_METRICS,
+                          metric_percentiles or VLLM_DEFAULT_PERCENTILES)
+        info["metadata"]["decodebench"]["decode"] = {
+            k: v for k, v in run.summary.items() if k.startswith("decode_")}
+    lists: dict[str, object] = {key: _Streamed(key) for key, _ in VLLM_REQUEST_LISTS}
+    result = vllm_result(run.summary, info, lists, measurements.count_samples(engine, run_id), stats)
+    if not detailed:
+        for key in VLLM_DETAILED_LISTS:
+            result.pop(key, None)
+    return StreamingResponse(_vllm_json(engine, run_id, result), media_type="application/json",
                              headers={"Content-Disposition": f'attachment; filename="{name}.json"'})
-
-
-# What ``vllm bench serve --save-result`` leaves out of its file without ``--save-detailed``.
-DETAILED_ONLY = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
 
 
 def run_result(engine: Engine, run: Run, detailed: bool = True) -> dict[str, object]:
@@ -189,7 +253,7 @@ def run_result(engine: Engine, run: Run, detailed: bool = True) -> dict[str, obj
     lists = {key: _Streamed(key) for key, _ in VLLM_REQUEST_LISTS}
     result = vllm_result(run.summary, _vllm_info(engine, run), lists,
                          measurements.count_samples(engine, run.id))
-    return result if detailed else {k: v for k, v in result.items() if k not in DETAILED_ONLY}
+    return result if detailed else {k: v for k, v in result.items() if k not in VLLM_DETAILED_LISTS}
 
 
 def result_pieces(engine: Engine, run_id: str, result: Mapping[str, object]) -> Iterator[str]:

@@ -4,6 +4,9 @@ scrapes of their server."""
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -11,9 +14,12 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 from service.analysis import server_metrics
+from service.analysis.metrics import decode_stats
 from service.control import hub
 from service.control.queue import Scheduler
 from service.core.errors import Conflict, Invalid
+from service.core.ids import utcnow
+from service.core.modelconfig import MaxLen
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import FINISHED, RunStatus
@@ -22,6 +28,7 @@ from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import (
     RunList,
+    RunLive,
     RunPublic,
     ServerMetricsPublic,
     ServerMetricsSummary,
@@ -52,6 +59,7 @@ def submit_run(
 ) -> Any:
     """Queue a benchmark run."""
     check_model(request, engine, spec.model)
+    check_fits(request, engine, [spec])
     check_backend(request, spec)
     run, created = store.create_run(engine, spec, idempotency_key)
     if created:
@@ -89,6 +97,22 @@ def check_model(request: Request, engine: Engine, model: str) -> None:
     problem = hub.model_problem(model, request.app.state.settings.hub_check)
     if problem is not None:
         raise Invalid(problem)
+
+
+def check_fits(request: Request, engine: Engine, specs: Sequence[RunSpec]) -> None:
+    """A 422 now for a run longer than its hub model takes, read from the model's cached
+    config (``RunSpec`` checks local directories and the tiny model itself)."""
+    if request.app.state.settings.hub_check == "off":
+        return
+    registered = {w.model for w in workers.active_workers(engine) if w.external}
+    limits: dict[str, MaxLen | None] = {}
+    for spec in specs:
+        if spec.model in registered:  # a registered server's length is its own
+            continue
+        if spec.model not in limits:
+            limits[spec.model] = hub.cached_max_len(spec.model)
+        if (problem := spec.length_problem(limits[spec.model])) is not None:
+            raise Invalid(f"model {spec.model!r}: {problem}")
 
 
 @router.get("/api/runs/{run_id}", response_model=RunPublic, dependencies=READ)
@@ -143,6 +167,54 @@ def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -
             return False
         # Placed between the two looks: its runner has it now.
     return False
+
+
+# The decode figures of runs in progress by (run, requests done): a display polls every
+# half second, and the samples change only when requests end. A few runs at a time.
+_LIVE: OrderedDict[str, tuple[int, Any, Any]] = OrderedDict()
+_LIVE_LOCK = threading.Lock()
+LIVE_KEPT = 64
+
+
+def _running_decode(engine: Engine, run_id: str, done: int) -> tuple[Any, Any]:
+    """(decode median ITL ms, steady gaps) of a run's stored samples, computed again only
+    when more requests have ended."""
+    with _LIVE_LOCK:
+        cached = _LIVE.get(run_id)
+    if cached is not None and cached[0] == done:
+        return cached[1], cached[2]
+    samples = [s for found in measurements.sample_slices(engine, run_id) for s in found]
+    decode = decode_stats(samples) if any(s.success for s in samples) else {}
+    value = (done, decode.get("decode_median_itl_ms"), decode.get("decode_gaps"))
+    with _LIVE_LOCK:
+        _LIVE[run_id] = value
+        _LIVE.move_to_end(run_id)
+        while len(_LIVE) > LIVE_KEPT:
+            _LIVE.popitem(last=False)
+    return value[1], value[2]
+
+
+@router.get("/api/runs/{run_id}/live", response_model=RunLive, dependencies=READ)
+def get_live(run_id: str, engine: DB) -> RunLive:
+    """How a run is going, for a progress display: requests done of total, seconds since it
+    started, an estimate of the seconds left, and the decode median ITL of the requests
+    finished so far (the steady decode window over them, as the summary takes it)."""
+    run = store.get_run(engine, run_id)
+    done = run.completed + run.failed
+    elapsed = None
+    if run.started_at is not None:
+        elapsed = ((run.finished_at or utcnow()) - run.started_at).total_seconds()
+    eta = None
+    if elapsed is not None and run.status not in FINISHED and 0 < done < run.total:
+        eta = elapsed / done * (run.total - done)
+    if run.summary is not None:
+        itl, gaps = run.summary.get("decode_median_itl_ms"), run.summary.get("decode_gaps")
+    else:
+        itl, gaps = _running_decode(engine, run_id, done)
+    return RunLive(id=run.id, status=run.status, completed=run.completed, failed=run.failed,
+                   total=run.total, elapsed_s=elapsed, eta_s=eta,
+                   decode_median_itl_ms=itl if gaps else None, decode_gaps=int(gaps or 0),
+                   error=run.error)
 
 
 @router.get(

@@ -17,7 +17,7 @@ from service.core.sweep import SweepCreate
 from service.storage import logs, sweeps
 from service.web import sweep_view, vllm_sweep
 from service.web.api.exports import csv_attachment
-from service.web.api.runs import cancel_one, check_backend, check_model
+from service.web.api.runs import cancel_one, check_backend, check_fits, check_model
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import SweepList, SweepPublic, SweepSummary
@@ -31,8 +31,10 @@ def submit_sweep(body: SweepCreate, request: Request, engine: DB, scheduler: Sch
     """Queue one run per point of a grid over a base spec."""
     check_model(request, engine, body.base.model)
     with contextlib.suppress(ValueError):  # a point that is no valid spec: create_sweep says so
-        for _, spec in body.points():
+        specs = [spec for _, spec in body.points()]
+        for spec in specs:
             check_backend(request, spec)
+        check_fits(request, engine, specs)
     sweep = sweeps.create_sweep(engine, body)
     scheduler.notify()
     return sweep_view.sweep_public(engine, sweep.id)

@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 
+from service.analysis.metrics import measured
 from service.web.auth import require_page_reader, session_state
 
 # A page router's ``dependencies``: pages are for readers (the login page itself is open).
@@ -37,6 +38,8 @@ def _fmt(value: Any) -> str:
 
 
 templates.env.filters["fmt"] = _fmt
+# A run's summary with None for figures over no values (``metrics.measured``).
+templates.env.filters["measured"] = lambda summary: measured(summary) or {}
 
 
 def _with_ci(value: Any, ci: Any) -> Markup:

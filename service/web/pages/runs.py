@@ -17,8 +17,9 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from service.analysis import comparison, server_metrics
+from service.analysis.metrics import measured
 from service.core.protocol import connector_totals
-from service.core.spec import EngineSpec, effective_load_format, worker_key
+from service.core.spec import EXTRA_ARGS, EngineSpec, effective_load_format, worker_key
 from service.core.status import FINISHED, RunStatus
 from service.storage import measurements, store, sweeps, workers
 from service.storage.logs import log_tail
@@ -109,6 +110,7 @@ def index(
             "workers": workers.active_workers(engine) if page == 1 else [],
             "ended_workers": workers.ended_workers(engine, RECENT_ENDED_WORKERS) if page == 1 else [],
             "cluster": cluster,
+            "extra_args": sorted(EXTRA_ARGS),
         },
     )
 
@@ -192,7 +194,7 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
             "worker_log_kept": bool(worker and worker.log_path and Path(worker.log_path).exists()),
             "logs_kept": request.app.state.settings.worker_logs_kept,
             "run": run,
-            "summary": run.summary or {},
+            "summary": measured(run.summary) or {},
             "connector": connector_totals((run.connector or {}).get("ranks", {})),
             "groups": METRIC_GROUPS,
             "latencies": LATENCIES,

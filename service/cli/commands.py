@@ -1,0 +1,437 @@
+"""The ``decodebench`` command and its subcommands (click, with rich for tables and progress).
+Each subcommand is REST calls a user could make with curl; see ``--help`` of each."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import zipfile
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+
+from service.cli import render, vllm_flags
+from service.cli.client import ApiError, Client
+from service.cli.follow import follow_runs, follow_sweep
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console; where the output is not a terminal (a pipe, a file), tables are not wrapped to
+    80 columns but as wide as ``COLUMNS`` says (200 by default), so ids stay whole."""
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else int(os.environ.get("COLUMNS", "200"))
+    return Console(stderr=stderr, width=width)
+
+
+console = _console()
+err = _console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    sys.exit(code)
+
+
+class Command(click.Group):
+    """Turns the service's refusals into one line and exit status 1 (2 for bad flags)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ApiError as error:
+            fail(str(error), 2 if error.status in (400, 404, 409, 422) else 1)
+
+
+def client_of(ctx: click.Context) -> Client:
+    obj: dict[str, Any] = ctx.ensure_object(dict)
+    if "client" not in obj:
+        obj["client"] = Client(obj.get("url"), obj.get("token"))
+        ctx.call_on_close(obj["client"].close)
+    client: Client = obj["client"]
+    return client
+
+
+@click.group(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--url", envvar="DECODEBENCH_URL", help="The service (default http://127.0.0.1:8000, "
+              "or DECODEBENCH_PORT's port on this machine).")
+@click.option("--token", envvar="DECODEBENCH_API_TOKEN", help="The API token (default: var/api-token "
+              "of a local service).")
+@click.pass_context
+def cli(ctx: click.Context, url: str | None, token: str | None) -> None:
+    """decodebench: long-context decode benchmarks for vLLM, from the terminal."""
+    ctx.ensure_object(dict).update(url=url, token=token)
+
+
+# --- the options a run takes: vLLM's names first, then decodebench's own --------------------
+
+FLOAT_INF = float("inf")
+
+
+def run_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The flags of ``vllm bench serve`` decodebench honours, with vLLM's defaults, and
+    decodebench's own."""
+    options = [
+        click.option("--model", default="decodebench-tiny", show_default=True,
+                     help="Model to serve: a Hugging Face id or a local folder."),
+        click.option("--dataset-name", default="random", show_default=True,
+                     help="Only random is supported."),
+        click.option("--backend", default="openai", show_default=True,
+                     help="openai or vllm: the completions API, streamed."),
+        click.option("--endpoint", default="/v1/completions", show_default=True),
+        click.option("--tokenizer", default=None, help="Only the model's own."),
+        click.option("--random-input-len", "--input-len", "input_len", type=click.IntRange(1),
+                     default=1024, show_default=True, help="Input tokens per request."),
+        click.option("--random-output-len", "--output-len", "output_len", type=click.IntRange(1),
+                     default=128, show_default=True, help="Output tokens per request (EOS ignored)."),
+        click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0,
+                     show_default=True, help="Lengths drawn uniformly within +-ratio."),
+        click.option("--random-prefix-len", type=int, default=0, help="Only 0."),
+        click.option("--num-prompts", type=click.IntRange(1), default=1000, show_default=True),
+        click.option("--max-concurrency", type=click.IntRange(1), default=None,
+                     help="At most this many requests at once (default: no limit, as in vLLM)."),
+        click.option("--request-rate", type=float, default=FLOAT_INF, show_default=True,
+                     help="Requests per second; inf sends them all at once."),
+        click.option("--burstiness", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--num-warmups", type=click.IntRange(0), default=0, show_default=True),
+        click.option("--ramp-up-strategy", type=click.Choice(["linear", "exponential"]), default=None),
+        click.option("--ramp-up-start-rps", type=int, default=None),
+        click.option("--ramp-up-end-rps", type=int, default=None),
+        click.option("--goodput", multiple=True, help="SLOs as KEY:VALUE in ms (ttft, tpot, e2el)."),
+        click.option("--ignore-eos", is_flag=True,
+                     help="Always on: every request decodes its output length."),
+        # decodebench's own.
+        click.option("--mode", type=click.Choice(["fill", "prefill"]), default="fill", show_default=True,
+                     help="fill: the connector writes the KV cache (no prefill); prefill: a real one."),
+        click.option("--fill-mean", type=float, default=0.015, show_default=True),
+        click.option("--fill-std", type=float, default=0.0, show_default=True),
+        click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
+                     help="Trials of the run, one after another."),
+        click.option("--stop-itl-ci-pct", type=float, default=None,
+                     help="Stop once the decode ITL's 95% interval is within +-this %."),
+        click.option("--stop-min-prompts", type=int, default=None),
+        click.option("--stop-max-prompts", type=int, default=None),
+        click.option("--stop-duration-s", type=float, default=None),
+        click.option("--tensor-parallel-size", type=click.IntRange(1), default=None),
+        click.option("--max-model-len", type=click.IntRange(16), default=None),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None),
+        click.option("--gpu-memory-utilization", type=float, default=None),
+        click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None),
+        click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it)."),
+        click.option("--driver-nodes", type=click.IntRange(1), default=None,
+                     help="Spread the load drivers over this many Ray nodes."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _spec_or_fail(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
+    why = vllm_flags.refusal(ctx.args) or vllm_flags.check_choices(values)
+    if why:
+        fail(why, 2)
+    try:
+        return vllm_flags.run_spec(values)
+    except ValueError as error:
+        fail(str(error), 2)
+
+
+@cli.group()
+def bench() -> None:
+    """Benchmarks, as `vllm bench` has them."""
+
+
+@bench.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@run_options
+@click.option("--percentile-metrics", default=None,
+              help="Metrics to report percentiles of (default ttft,tpot,itl, as vLLM).")
+@click.option("--metric-percentiles", default="99", show_default=True)
+@click.option("--save-result", is_flag=True, help="Write the result JSON as vllm bench serve does.")
+@click.option("--save-detailed", is_flag=True, help="Keep the per-request lists in it.")
+@click.option("--append-result", is_flag=True)
+@click.option("--result-dir", default=None)
+@click.option("--result-filename", default=None)
+@click.option("--label", default=None)
+@click.option("--metadata", multiple=True, help="KEY=VALUE written into the result file.")
+@click.option("--disable-tqdm", is_flag=True, help="No progress bar.")
+@click.pass_context
+def bench_serve(ctx: click.Context, /, **values: Any) -> None:
+    """Run one benchmark on the service and print vllm bench serve's result, then decodebench's.
+
+    Takes vllm bench serve's flags for its random dataset with their meanings and defaults; a
+    flag of vLLM's that decodebench does not support is refused with the reason. Ctrl-C cancels
+    the run on the service. Exit status 1 when a run did not succeed."""
+    spec = _spec_or_fail(ctx, values)
+    client = client_of(ctx)
+    run = client.post("/api/runs", spec)
+    ids = [run["id"]]
+    if run.get("group_id"):
+        ids = [r["id"] for r in client.get(f"/api/groups/{run['group_id']}")["runs"]]
+    what = f"group {run['group_id']} ({len(ids)} trials)" if run.get("group_id") else f"run {run['id']}"
+    err.print(f"queued {what} on {client.url}", highlight=False)
+
+    def cancel() -> None:
+        path = (f"/api/groups/{run['group_id']}/cancel" if run.get("group_id")
+                else f"/api/runs/{run['id']}/cancel")
+        try:
+            client.post(path)
+            err.print(f"cancelled {what} on the service", highlight=False)
+        except ApiError as error:
+            err.print(f"could not cancel {what}: {error}", highlight=False)
+
+    try:
+        ended = follow_runs(client, ids, err, quiet=values["disable_tqdm"], cancel=cancel)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    metrics = values["percentile_metrics"] or "ttft,tpot,itl"
+    for k, done in enumerate(ended):
+        if done.get("summary") is not None:
+            result = _vllm_result(client, done["id"], values, metrics)
+            console.print("\n".join(render.vllm_block(result, metrics.split(","))), highlight=False,
+                          markup=False)
+            if values["save_result"] or values["append_result"]:
+                _save(result, values, spec["model"], k if len(ended) > 1 else None)
+        console.print("\n".join(render.decodebench_lines(done, client.url)), highlight=False, markup=False)
+    if any(done["status"] != "succeeded" for done in ended):
+        sys.exit(1)
+
+
+def _vllm_result(client: Client, run_id: str, values: dict[str, Any], metrics: str) -> dict[str, Any]:
+    params: dict[str, Any] = {"percentile_metrics": metrics,
+                              "metric_percentiles": values["metric_percentiles"],
+                              "detailed": values["save_detailed"], "metadata": list(values["metadata"])}
+    if values["label"] is not None:
+        params["label"] = values["label"]
+    result: dict[str, Any] = client.get(f"/api/runs/{run_id}/export", **params)
+    return result
+
+
+def _save(result: dict[str, Any], values: dict[str, Any], model: str, trial: int | None) -> None:
+    """The result file where and as vllm bench serve writes it (appended with --append-result)."""
+    name = vllm_flags.result_filename(values, model, str(result.get("date") or
+                                                          datetime.now().strftime("%Y%m%d-%H%M%S")))
+    if trial is not None:
+        stem, dot, ext = name.rpartition(".")
+        name = f"{stem}-trial{trial}{dot}{ext}" if dot else f"{name}-trial{trial}"
+    path = Path(values["result_dir"] or ".") / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+" if values["append_result"] else "w", encoding="utf-8") as out:
+        if values["append_result"] and out.tell() != 0:
+            out.write("\n")
+        json.dump(result, out)
+    err.print(f"saved {path}", highlight=False)
+
+
+# --- sweeps ---------------------------------------------------------------------------------
+
+
+def _list(kind: Callable[[str], Any]) -> Callable[[str | None], list[Any] | None]:
+    def parse(text: str | None) -> list[Any] | None:
+        if text is None:
+            return None
+        try:
+            return [None if w.strip() in ("none", "inf") else kind(w.strip()) for w in text.split(",")]
+        except ValueError as error:
+            raise click.BadParameter(f"{text!r}: {error}") from None
+    return parse
+
+
+GRID = (("input_len", "--input-len", int), ("output_len", "--output-len", int),
+        ("max_concurrency", "--max-concurrency", int), ("request_rate", "--request-rate", float),
+        ("mode", "--mode", str), ("fill.mean", "--fill-mean", float), ("fill.std", "--fill-std", float))
+
+
+@cli.command()
+@click.option("--input-len", help="Comma-separated input lengths, e.g. 8192,32768.")
+@click.option("--output-len", help="Comma-separated output lengths.")
+@click.option("--max-concurrency", help="Comma-separated concurrency limits (none: no limit).")
+@click.option("--request-rate", help="Comma-separated request rates (inf: all at once).")
+@click.option("--mode", help="fill, prefill or fill,prefill.")
+@click.option("--fill-mean", help="Comma-separated fill means.")
+@click.option("--fill-std", help="Comma-separated fill standard deviations.")
+@click.option("--model", default="decodebench-tiny", show_default=True)
+@click.option("--num-prompts", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--num-warmups", type=click.IntRange(0), default=0)
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it).")
+@click.option("--max-model-len", type=click.IntRange(16), default=None)
+@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
+@click.option("--no-wait", is_flag=True, help="Submit and print the sweep's id, without following it.")
+@click.pass_context
+def sweep(ctx: click.Context, /, **values: Any) -> None:
+    """Run a grid of points (each comma list is an axis) and follow it, one line per point; then
+    the fill/prefill verdict per point. Ctrl-C cancels the sweep on the service."""
+    grid: dict[str, list[Any]] = {}
+    for key, flag, kind in GRID:
+        parsed = _list(kind)(values[flag[2:].replace("-", "_")])
+        if parsed is not None:
+            grid[key] = parsed
+    if not grid:
+        fail("give at least one axis, e.g. --input-len 8192,32768 --mode fill,prefill", 2)
+    base: dict[str, Any] = {"model": values["model"], "num_prompts": values["num_prompts"],
+                            "range_ratio": values["random_range_ratio"], "seed": values["seed"],
+                            "warmup_prompts": values["num_warmups"]}
+    engine = {k: values[k] for k in ("max_model_len", "load_format") if values[k] is not None}
+    if values["engine_arg"]:
+        engine["extra_args"] = list(values["engine_arg"])
+    if engine:
+        base["engine"] = engine
+    client = client_of(ctx)
+    created = client.post("/api/sweeps", {"base": base, "grid": grid, "repeats": values["repeats"]})
+    sweep_id = created["id"]
+    err.print(f"sweep {sweep_id}: {len(created['runs'])} runs on {client.url} "
+              f"(page {client.url}/sweeps/{sweep_id})", highlight=False)
+    if values["no_wait"]:
+        console.print(sweep_id)
+        return
+
+    def cancel() -> None:
+        try:
+            client.post(f"/api/sweeps/{sweep_id}/cancel")
+            err.print(f"cancelled sweep {sweep_id} on the service", highlight=False)
+        except ApiError as error:
+            err.print(f"could not cancel sweep {sweep_id}: {error}", highlight=False)
+
+    try:
+        ended = follow_sweep(client, sweep_id, err, cancel=cancel)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    for row in ended.get("fill_vs_prefill") or []:
+        console.print(f"{_point_text(row.get('point'))}: {row.get('verdict')}: {row.get('message', '')}",
+                      highlight=False, markup=False)
+    if any(r["status"] != "succeeded" for r in ended["runs"]):
+        sys.exit(1)
+
+
+def _point_text(point: Any) -> str:
+    if isinstance(point, dict):
+        return " ".join(f"{k}={v}" for k, v in point.items())
+    return str(point)
+
+
+# --- reading and managing what the service holds ----------------------------------------
+
+
+@cli.command()
+@click.option("--status", default=None, help="Only runs in this status.")
+@click.option("--model", default=None)
+@click.option("--limit", type=click.IntRange(1, 500), default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="The API's answer as JSON.")
+@click.pass_context
+def runs(ctx: click.Context, status: str | None, model: str | None, limit: int, as_json: bool) -> None:
+    """The newest runs."""
+    params = {k: v for k, v in (("status", status), ("model", model), ("limit", limit)) if v is not None}
+    found = client_of(ctx).get("/api/runs", **params)
+    if as_json:
+        console.print_json(data=found)
+        return
+    console.print(render.runs_table(found["runs"]))
+    if found["total"] > len(found["runs"]):
+        err.print(f"{len(found['runs'])} of {found['total']} runs; --limit for more", highlight=False)
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--percentile-metrics", default="ttft,tpot,itl", show_default=True)
+@click.option("--metric-percentiles", default="99", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="The API's answer as JSON.")
+@click.pass_context
+def show(ctx: click.Context, run_id: str, percentile_metrics: str, metric_percentiles: str,
+         as_json: bool) -> None:
+    """One run: vllm bench serve's result block and decodebench's lines."""
+    client = client_of(ctx)
+    run = client.get(f"/api/runs/{run_id}")
+    if as_json:
+        console.print_json(data=run)
+        return
+    if run.get("summary") is not None:
+        result = client.get(f"/api/runs/{run_id}/export", percentile_metrics=percentile_metrics,
+                            metric_percentiles=metric_percentiles, detailed=False)
+        console.print("\n".join(render.vllm_block(result, percentile_metrics.split(","))),
+                      highlight=False, markup=False)
+    else:
+        console.print(f"{run_id}: {run['status']}, {run['progress']['completed']} of "
+                      f"{run['progress']['total']} requests done", highlight=False)
+    console.print("\n".join(render.decodebench_lines(run, client.url)), highlight=False, markup=False)
+
+
+@cli.command()
+@click.argument("ids", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="The API's answer as JSON.")
+@click.pass_context
+def compare(ctx: click.Context, ids: Sequence[str], as_json: bool) -> None:
+    """Runs or groups (ids, 2 or more) against the first: each metric's ratio with its 95%
+    interval and the verdict."""
+    found = client_of(ctx).get("/api/compare", ids=list(ids))
+    if as_json:
+        console.print_json(data=found)
+        return
+    console.print(render.compare_table(found))
+
+
+@cli.command()
+@click.argument("item_id")
+@click.pass_context
+def cancel(ctx: click.Context, item_id: str) -> None:
+    """Cancel a run (r-...), a group of trials (g-...) or a sweep (s-...)."""
+    kind = {"g": "groups", "s": "sweeps"}.get(item_id.split("-", 1)[0], "runs")
+    answer = client_of(ctx).post(f"/api/{kind}/{item_id}/cancel")
+    status = answer.get("status") if isinstance(answer, dict) else None
+    console.print(f"cancelled {item_id}" + (f" ({status})" if status else ""), highlight=False)
+
+
+@cli.command("export")
+@click.argument("sweep_id")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.pass_context
+def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
+    """Write a sweep in the layout `vllm bench sweep serve` writes (run=N.json per trial,
+    summary.json per point, summary.csv), for `vllm bench sweep plot DIRECTORY`."""
+    response = client_of(ctx).call("GET", f"/api/sweeps/{sweep_id}/export", params={"format": "vllm-sweep"})
+    with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
+        for name in archive.namelist():
+            target = (directory / name).resolve()
+            if not target.is_relative_to(directory.resolve()):
+                fail(f"the export holds a path outside {directory}: {name}")
+        archive.extractall(directory)
+        console.print(f"wrote {len(archive.namelist())} files under {directory}", highlight=False)
+
+
+@cli.command("import")
+@click.argument("files", nargs=-1, required=True,
+                type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.pass_context
+def import_results(ctx: click.Context, files: Sequence[Path]) -> None:
+    """Make result files of `vllm bench serve --save-result` runs of the service (status
+    imported), for compare and baselines beside decodebench's own."""
+    client = client_of(ctx)
+    for path in files:
+        for k, line in enumerate(x for x in path.read_text().splitlines() if x.strip()):
+            try:
+                body = json.loads(line)
+            except json.JSONDecodeError as error:
+                fail(f"{path} (result {k + 1}): not JSON: {error}", 2)
+            run = client.post("/api/imports", body)
+            console.print(f"{path}: imported as {run['id']}", highlight=False)
+
+
+@cli.command()
+def serve() -> None:
+    """Start the service (what `make run` runs); its settings come from DECODEBENCH_* variables."""
+    from service.__main__ import main as service_main  # the service only where it is started
+
+    service_main()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The console script."""
+    args = vllm_flags.spread_nargs(list(sys.argv[1:] if argv is None else argv))
+    cli.main(args=args, prog_name="decodebench")

@@ -1,0 +1,118 @@
+"""Following work on the service live: a progress bar per run (requests done of total,
+elapsed, ETA, the running decode median ITL), a line per sweep point; Ctrl-C cancels on the
+service. Polls once a second at most, so the display moves at least that often."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from service.cli.client import Client
+
+# The statuses a run ends in.
+ENDED = ("succeeded", "failed", "cancelled", "imported")
+POLL_S = 0.5
+# Where the output is not a terminal: a progress line at least this often (seconds).
+LINE_S = 10.0
+
+
+def _eta(seconds: Any) -> str:
+    if seconds is None:
+        return "-:--:--"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _itl(value: Any) -> str:
+    return "decode ITL -" if value is None else f"decode ITL {value:.2f} ms"
+
+
+def follow_runs(client: Client, run_ids: Sequence[str], console: Console, quiet: bool = False,
+                cancel: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Follow runs (a run's trials, one after another) until each has ended; their last state.
+    Ctrl-C calls ``cancel`` (which cancels them on the service) and raises KeyboardInterrupt."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"), TextColumn("{task.fields[itl]}"))
+    ended: list[dict[str, Any]] = []
+    try:
+        with Progress(*columns, console=console, disable=quiet or not console.is_terminal,
+                      refresh_per_second=4) as bar:
+            for run_id in run_ids:
+                task = bar.add_task(run_id, total=None, eta="-:--:--", itl=_itl(None))
+                said, said_at = "", 0.0
+                while True:
+                    live = client.get(f"/api/runs/{run_id}/live")
+                    done, eta, itl = live["completed"] + live["failed"], _eta(live["eta_s"]), \
+                        _itl(live["decode_median_itl_ms"])
+                    bar.update(task, total=live["total"], completed=done, eta=eta, itl=itl,
+                               description=f"{run_id} {live['status']}")
+                    # Not a terminal (a pipe, a log): a line when something moved, or every LINE_S.
+                    line = f"{run_id} {live['status']} {done}/{live['total']} ETA {eta} {itl}"
+                    if not quiet and not console.is_terminal and (
+                            line != said or time.monotonic() - said_at > LINE_S):
+                        console.print(line, highlight=False, markup=False)
+                        said, said_at = line, time.monotonic()
+                    if live["status"] in ENDED:
+                        break
+                    time.sleep(POLL_S)
+                ended.append(client.get(f"/api/runs/{run_id}"))
+    except KeyboardInterrupt:
+        if cancel is not None:
+            cancel()
+        raise
+    return ended
+
+
+def _point_label(point: Mapping[str, Any], keys: Sequence[str]) -> str:
+    return " ".join(f"{k}={point.get(k)}" for k in keys)
+
+
+def follow_sweep(client: Client, sweep_id: str, console: Console,
+                 cancel: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One progress line per grid point (its trials done of all, its status) until every run
+    of the sweep has ended; the sweep as it ended."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[state]}"))
+    try:
+        with Progress(*columns, console=console, refresh_per_second=4,
+                      disable=not console.is_terminal) as bar:
+            tasks: dict[str, Any] = {}
+            said: dict[str, str] = {}
+            while True:
+                sweep = client.get(f"/api/sweeps/{sweep_id}")
+                keys = list(sweep["grid"])
+                by_point: dict[str, list[Mapping[str, Any]]] = {}
+                for run in sweep["runs"]:
+                    label = _point_label({k: _spec_value(run["spec"], k) for k in keys}, keys)
+                    by_point.setdefault(label, []).append(run)
+                for label, runs in by_point.items():
+                    if label not in tasks:
+                        tasks[label] = bar.add_task(label, total=len(runs), state="")
+                    states = [r["status"] for r in runs]
+                    done = sum(s in ENDED for s in states)
+                    counts = ", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states))
+                    bar.update(tasks[label], total=len(runs), completed=done, state=counts)
+                    # Not a terminal: a line for each point whose runs moved.
+                    line = f"{label}: {done}/{len(runs)} ({counts})"
+                    if not console.is_terminal and said.get(label) != line:
+                        console.print(line, highlight=False, markup=False)
+                        said[label] = line
+                if sweep["runs"] and all(r["status"] in ENDED for r in sweep["runs"]):
+                    return dict(sweep)
+                time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        if cancel is not None:
+            cancel()
+        raise
+
+
+def _spec_value(spec: Mapping[str, Any], key: str) -> Any:
+    """A grid key's value in a run's spec; dotted names reach into nested specs (``fill.mean``)."""
+    value: Any = spec
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
