@@ -70,17 +70,23 @@ class Looks:
         return bisect.bisect_right(self.counts, answered)
 
 
-def looks(spec: RunSpec) -> Looks | None:
-    """The looks of ``spec``'s interval rule; None without one."""
-    if spec.stop is None or spec.stop.itl_ci_pct is None:
-        return None
-    budget = spec.prompt_budget()
-    counts = [spec.stop_min_prompts()]
+def planned_looks(first: int, budget: int) -> Looks:
+    """Looks at ``first``, each later one at ``GROWTH`` times the one before, and at the
+    budget: the plan of the stop rule within a run (counts of requests) and of a sweep's
+    rule over pairs of trials (``service.analysis.pairs``)."""
+    counts = [first]
     while counts[-1] * GROWTH < budget:
         counts.append(counts[-1] * GROWTH)
     if counts[-1] < budget:
         counts.append(budget)
     return Looks(tuple(counts))
+
+
+def looks(spec: RunSpec) -> Looks | None:
+    """The looks of ``spec``'s interval rule; None without one."""
+    if spec.stop is None or spec.stop.itl_ci_pct is None:
+        return None
+    return planned_looks(spec.stop_min_prompts(), spec.prompt_budget())
 
 
 @dataclass(frozen=True)
