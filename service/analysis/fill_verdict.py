@@ -39,7 +39,8 @@ MATCH_BAND = (0.95, 1.05)
 FILL_METRICS = ("decode_median_itl_ms", "decode_median_tpot_ms")
 
 
-def _state(ci: list[float] | None) -> str:
+def state_of(ci: list[float] | None) -> str:
+    """``matches``, ``differs`` or ``undecided``: where an interval lies against ``MATCH_BAND``."""
     if ci is None:
         return "undecided"
     if ci[0] > MATCH_BAND[1] or ci[1] < MATCH_BAND[0]:
@@ -92,7 +93,7 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
         one_pair = len(fill.ok) == 1 and len(prefill.ok) == 1
         verdict = "matches"
         for c in changes:
-            c["state"] = "undecided" if one_pair else _state(c["ci"])
+            c["state"] = "undecided" if one_pair else state_of(c["ci"])
             if c["state"] == "differs" or (c["state"] == "undecided" and verdict == "matches"):
                 verdict = c["state"]
         needed = None
