@@ -227,7 +227,8 @@ def test_sweep_with_repeats_draws_bands_and_shows_fill_verdicts(
     pairs = dom.split('id="pairs"')[1].split("</ul>")[0]
     verdicts = re.findall(r'class="verdict flag-(matches|differs|undecided)"', pairs)
     assert len(verdicts) == 4
-    assert pairs.count("over 2 pairs") == 4 and pairs.count("paired t over pairs") >= 4
+    lines = re.findall(r"· (matches|differs|undecided): [^<]*? over 2 pairs", pairs)
+    assert lines == verdicts and pairs.count("paired t over pairs") >= 4
     # Only points that differ are flagged red above the charts.
     flagged = [v for v in verdicts if v == "differs"]
     if flagged:
