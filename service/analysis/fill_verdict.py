@@ -21,7 +21,7 @@ from service.analysis.comparison import (
     paired_trials,
     spec_value,
 )
-from service.analysis.intervals import CONFIDENCE
+from service.analysis.intervals import BOOTSTRAP, CONFIDENCE
 from service.analysis.pairs import (
     DECIDING_HALF_WIDTH,
     PRIOR_LOG_SD,
@@ -91,14 +91,17 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
     out = []
     for point, fill, prefill, changes, n_pairs in computed:
         one_pair = len(fill.ok) == 1 and len(prefill.ok) == 1
+        # Without a between-run component (a bootstrap over requests) nothing is decided.
+        by_requests = one_pair or any(c["method"] == BOOTSTRAP for c in changes)
         verdict = "matches"
         for c in changes:
-            c["state"] = "undecided" if one_pair else state_of(c["ci"])
+            c["state"] = "undecided" if by_requests else state_of(c["ci"])
             if c["state"] == "differs" or (c["state"] == "undecided" and verdict == "matches"):
                 verdict = c["state"]
         needed = None
         if verdict == "undecided":
-            wants = [_needed(c, 1 if one_pair else n_pairs, prior) for c in changes]
+            wants = [_needed(c if not by_requests else c | {"log_sd": None}, max(n_pairs, 1), prior)
+                     for c in changes]
             needed = None if None in wants else max(w for w in wants if w is not None)
         head = changes[0]
         line = f"{verdict}: {_ratio_text(head)} over {n_pairs} pair{'s' if n_pairs != 1 else ''}"
@@ -106,6 +109,9 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
             run = f"run {needed} pairs" if needed else "run more pairs"
             line = f"one pair: cannot tell; {run} ({_ratio_text(head)} by a bootstrap over " \
                    "requests, which cannot see drift between runs)"
+        elif by_requests:
+            line = (f"cannot tell from {n_pairs} complete pair(s) and a bootstrap over requests; "
+                    f"run {needed or 'more'} pairs ({_ratio_text(head)})")
         elif verdict == "undecided":
             line += (f"; about {needed} pairs would decide" if needed
                      else "; more pairs will not decide it soon: the pairs disagree too much")
