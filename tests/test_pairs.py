@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +243,26 @@ def test_the_pair_rule_holds_95_percent_when_it_stops_early() -> None:
     assert 0.1 < np.mean([n < 16 for _, n in runs]) < 0.9  # it does stop early, and not always
     naive = np.mean([_sequential(math.log(1.02), 0.03, seed, CONFIDENCE)[0] for seed in range(2000)])
     assert naive < 0.95 < held
+
+
+def test_until_decided_through_the_service_stops_when_decided_or_spent(client: TestClient) -> None:
+    body = {"base": BASE, "grid": {"mode": ["fill", "prefill"]}, "until_decided": {"max_pairs": 4}}
+    sweep = client.post("/api/sweeps", json=body).json()
+    assert sweep["options"] == {"until_decided": {"max_pairs": 4}} and len(sweep["runs"]) == 4
+    deadline = time.monotonic() + 120
+    while True:
+        found = client.get(f"/api/sweeps/{sweep['id']}").json()
+        verdicts = found["fill_vs_prefill"]
+        settled = verdicts and (verdicts[0]["verdict"] != "undecided" or verdicts[0]["pairs"] == 4)
+        if settled and found["progress"]["finished"] == found["progress"]["total"]:
+            break
+        assert time.monotonic() < deadline, found["progress"]
+        time.sleep(0.2)
+    time.sleep(1.0)  # the scheduler's look after the last run has been taken
+    again = client.get(f"/api/sweeps/{sweep['id']}").json()
+    (verdict,) = again["fill_vs_prefill"]
+    assert len(again["runs"]) == 2 * verdict["pairs"] and verdict["pairs"] in (2, 4)
+    assert "until decided" in verdict["line"]
+    assert "of 2 (97.5% per look, Bonferroni)" in verdict["line"]
+    bad = client.post("/api/sweeps", json={**body, "grid": {"input_len": [8]}})
+    assert bad.status_code == 422 and "must sweep mode" in bad.text
