@@ -66,6 +66,11 @@ def test_a_sweep_over_mode_runs_each_pair_back_to_back(client: TestClient) -> No
             if np.std(d) > 0:
                 ci = stats.ttest_1samp(d, 0.0).confidence_interval(0.95)
                 assert found["ci"] == pytest.approx([math.exp(ci.low), math.exp(ci.high)])
+        # Compare of the two arms that ran as pairs gives the same paired interval.
+        compared = client.get(f"/api/compare?ids={verdict['prefill']}&ids={verdict['fill']}").json()
+        row = next(m for m in compared["metrics"] if m["metric"] == KEYS[0])
+        assert row["changes"][0]["method"] == PAIRED
+        assert row["changes"][0]["ci"] == pytest.approx(verdict["ratios"][0]["ci"])
 
 
 def test_the_order_in_a_pair_is_drawn_and_recorded(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ interval has confidence 1 - 5%/K, so the chance that any of the K intervals miss
 true median is at most 5% (Bonferroni): the interval a run reports misses it in at most
 5% of runs, whichever look each stopped at. A look is taken over the requests answered
 up to its count (in the order they were answered), so the rule gives the same answer
-however often it is asked: asking more often adds no looks.
+however often it is asked: asking more often adds no looks. A sweep's ``until_decided``
+rule over pairs of trials plans its looks the same way (``planned_looks``; see
+``service.analysis.pairs``).
 
 The interval reported with a run that has the rule is taken over every answered request
 at the looks' confidence, whatever ended the run (after a stop, the look's requests and
