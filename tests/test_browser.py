@@ -224,16 +224,18 @@ def test_sweep_with_repeats_draws_bands_and_shows_fill_verdicts(
         assert re.search(r"<title>[^<]*\[[-\d.e]+, [\d.e]+\]; 2 trials</title>", svg)
     # Log-2 input axis labelled at the measured lengths, as people write token counts.
     assert re.search(r">2k</text>.*>8k</text>", drawn[0], flags=re.S)
-    pairs = dom.split('id="pairs"')[1].split("</table>")[0]
+    pairs = dom.split('id="pairs"')[1].split("</ul>")[0]
     verdicts = re.findall(r'class="verdict flag-(matches|differs|undecided)"', pairs)
     assert len(verdicts) == 4
-    assert pairs.count("Welch t over trials") >= 4
-    # Every point whose interval is not inside [0.95, 1.05] is flagged above the charts.
-    flagged = [v for v in verdicts if v != "matches"]
+    lines = re.findall(r"· (matches|differs|undecided): [^<]*? over 2 pairs", pairs)
+    assert lines == verdicts and pairs.count("paired t over pairs") >= 4
+    # Only points that differ are flagged red above the charts.
+    flagged = [v for v in verdicts if v == "differs"]
     if flagged:
         flags = dom.split('id="fill-flags"')[1].split("</div>")[0]
-        assert sorted(re.findall(r'<p class="flag-(\w+)"', flags)) == sorted(flagged)
-        assert flags.count("[0.95, 1.05]") == flagged.count("undecided")
+        assert sorted(re.findall(r'<p class="flag-(\w+)"', flags)) == flagged
+    else:
+        assert 'id="fill-flags"' not in dom
 
 
 def test_compare_page_shows_verdicts(pages: dict[str, str], tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from service.analysis.metrics import (
     export_vllm,
     is_bunched,
     peak_in_flight,
+    prefill_stall,
     run_warnings,
     summarize,
 )
@@ -414,3 +415,23 @@ def test_export_queue_time_is_the_wait_after_the_scheduled_time() -> None:
 def test_export_is_strict_json() -> None:
     exported = _export()
     assert json.loads(json.dumps(exported, allow_nan=False)) == exported
+
+
+def test_a_prefill_stall_is_a_figure_not_bunched_streams() -> None:
+    # Concurrency-4 real prefill: each request decodes at 5 ms a token, but pauses 300 ms
+    # while the next request's prompt is prefilled (it waits 200 ms for its first token).
+    runs = []
+    for i in range(4):
+        gaps = [0.005] * 10 + ([0.3] if i < 3 else [0.005]) + [0.005] * 10
+        runs.append(_ok(i, 4096, len(gaps) + 1, 0.2, gaps, start=0.3 * i))
+    summary = summarize(runs, 5.0)
+    # What fired the warning before: the pooled median ITL is far below half the TPOT.
+    assert summary["median_itl_ms"] < 0.5 * summary["median_tpot_ms"]
+    assert not any(is_bunched(s) for s in runs)
+    assert run_warnings(runs, summary) == []
+    stall = prefill_stall(runs)
+    assert stall["gaps"] >= 3 and 0.5 < float(stall["share"]) < 0.9  # type: ignore[arg-type]
+    assert "expected of real prefill" in str(stall["message"])
+    # Streams that really reached the client in bursts still warn.
+    together = [_ok(i, 4096, 9, 0.2, [1e-5] * 8, start=0.3 * i) for i in range(4)]
+    assert run_warnings(together, summarize(together, 5.0))[0]["code"] == "bunched_streams"

@@ -60,11 +60,14 @@ def test_sweep_page_draws_curves_and_pairs_fill_with_prefill(client: TestClient)
     assert charts[0].count('<a href="/runs/r-') == 8
     # Single trials: each point carries its bootstrap interval over requests, drawn as a band.
     assert charts[0].count('class="band"') == 4 and charts[0].count('class="errorbar"') == 8
-    pairs = html.split('id="pairs"')[1].split("</table>")[0]
+    # One line per point; one pair each, so no point is decided and none flagged red.
+    pairs = html.split('id="pairs"')[1].split("</ul>")[0]
     assert pairs.count("side by side") == 4
-    assert pairs.count("<td class=\"muted\">bootstrap over requests</td>") == 4
-    assert re.search(r'\d\.\d\d <span class="ci">\[\d\.\d\d, \d\.\d\d\]</span>', pairs)
-    assert len(re.findall(r'class="verdict flag-(matches|differs|undecided)"', pairs)) == 4
+    assert pairs.count("· one pair: cannot tell; run 5 pairs") == 4
+    assert re.search(r"\d\.\d+ \[\d\.\d+, \d\.\d+\] by a bootstrap over requests", pairs)
+    assert len(re.findall(r'class="verdict flag-undecided"', pairs)) == 4
+    assert 'id="fill-flags"' not in html
+    assert 'id="add-trials"' in html
     table = html.split('id="point-table"')[1].split("</table>")[0]
     assert table.count('href="/runs/r-') == 8
 

@@ -11,10 +11,11 @@ run-to-run drift; every answer says which one it used.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,21 +23,20 @@ from sqlalchemy import Engine
 
 from service.analysis.intervals import (
     BOOTSTRAP,
+    CONFIDENCE,
+    T_TRIALS,
     Ratio,
     across_trials,
     ratio_by_requests,
     ratio_by_trials,
 )
 from service.analysis.metrics import request_values, wait_windows
+from service.analysis.pairs import ratio_by_pairs
 from service.core.errors import Conflict, NotFound, shown
 from service.core.spec import point_key
 from service.core.status import FINISHED, MEASURED
 from service.storage import baselines, measurements, store
 from service.storage.tables import Run
-
-# How far fill may sit from real prefill and still be called a match (ratio of decode ITL
-# or TPOT, fill over prefill, whose whole 95% interval must lie inside).
-MATCH_BAND = (0.95, 1.05)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,6 @@ COMPARED: tuple[Metric, ...] = (
 BY_KEY = {m.key: m for m in COMPARED}
 # What a regression is judged on: decode speed first, then the first token.
 REGRESSION_METRICS = ("median_tpot_ms", "p99_tpot_ms", "decode_median_itl_ms", "median_ttft_ms")
-FILL_METRICS = ("decode_median_itl_ms", "decode_median_tpot_ms")
 
 
 @dataclass
@@ -160,20 +159,51 @@ def figure(arm: Arm, key: str) -> dict[str, Any] | None:
             "method": BOOTSTRAP if isinstance(ci, list) else None}
 
 
-def ratio(engine: Engine, a: Arm, b: Arm, metric: Metric, seed: int = 0) -> Ratio | None:
+def paired_trials(a: Arm, b: Arm) -> tuple[list[tuple[Run, Run]], int] | None:
+    """The succeeded trials of A and B that ran as pairs (matched by pair id, in A's trial
+    order) and how many succeeded trials lack a succeeded partner; None when A and B were
+    not run as pairs."""
+    ids_a = {r.pair_id for r in a.runs if r.pair_id}
+    if not ids_a & {r.pair_id for r in b.runs if r.pair_id}:
+        return None
+    ok_b = {r.pair_id: r for r in b.ok if r.pair_id}
+    matched = [(r, ok_b[r.pair_id]) for r in a.ok if r.pair_id in ok_b]
+    return matched, len(a.ok) + len(b.ok) - 2 * len(matched)
+
+
+def _value(run: Run, key: str) -> float:
+    v = (run.summary or {}).get(key)
+    return float(v) if isinstance(v, int | float) else math.nan
+
+
+def ratio(engine: Engine, a: Arm, b: Arm, metric: Metric, seed: int = 0,
+          confidence: float = CONFIDENCE) -> Ratio | None:
     """B/A of one statistic with its interval; None when it cannot be had (a zero or
-    missing figure, too few requests, or a whole-run figure without repeats on both sides)."""
+    missing figure, too few requests, or a whole-run figure without repeats on both sides).
+    Arms run as pairs get the paired interval; the unpaired one, saying so, where some
+    trials lack their partner."""
+    paired = paired_trials(a, b)
+    if paired is not None:
+        matched, lone = paired
+        if not lone and len(matched) >= 2:
+            return ratio_by_pairs([_value(x, metric.key) for x, _ in matched],
+                                  [_value(y, metric.key) for _, y in matched], confidence)
+        if lone and len(a.ok) >= 2 and len(b.ok) >= 2:
+            found = ratio_by_trials(a.trial_values(metric.key), b.trial_values(metric.key), confidence)
+            return found and replace(
+                found, method=f"{T_TRIALS}: pairs incomplete ({lone} trial(s) without their partner)")
     if len(a.ok) >= 2 and len(b.ok) >= 2:
-        return ratio_by_trials(a.trial_values(metric.key), b.trial_values(metric.key))
+        return ratio_by_trials(a.trial_values(metric.key), b.trial_values(metric.key), confidence)
     if metric.values is None or not a.ok or not b.ok:
         return None
     return ratio_by_requests(a.request_groups(engine, metric.values),
                              b.request_groups(engine, metric.values), metric.q, seed=seed)
 
 
-def change(engine: Engine, a: Arm, b: Arm, metric: Metric) -> dict[str, Any]:
+def change(engine: Engine, a: Arm, b: Arm, metric: Metric,
+           confidence: float = CONFIDENCE) -> dict[str, Any]:
     """B against A on one metric, with the verdict a reader needs."""
-    found = ratio(engine, a, b, metric)
+    found = ratio(engine, a, b, metric, confidence=confidence)
     fa, fb = figure(a, metric.key), figure(b, metric.key)
     out: dict[str, Any] = {"metric": metric.key, "arm": b.id,
                            "a": fa["value"] if fa else None, "b": fb["value"] if fb else None}
@@ -181,7 +211,8 @@ def change(engine: Engine, a: Arm, b: Arm, metric: Metric) -> dict[str, Any]:
         why = ("needs two or more succeeded trials on both sides" if metric.values is None
                else "not enough requests, or a figure of 0")
         return out | {"ratio": None, "ci": None, "method": None, "verdict": "no interval",
-                      "direction": None, "message": f"no interval: {why}"}
+                      "direction": None, "message": f"no interval: {why}", "pairs": None,
+                      "log_sd": None}
     direction = None
     if found.differs():
         worse = (found.value > 1) != metric.higher_is_better
@@ -191,7 +222,8 @@ def change(engine: Engine, a: Arm, b: Arm, metric: Metric) -> dict[str, Any]:
     message = (f"{pct:+.1f}% [{(found.lo - 1) * 100:+.1f}%, {(found.hi - 1) * 100:+.1f}%]: "
                + (f"{direction} (different at 95%)" if direction else "not distinguishable at 95%"))
     return out | {"ratio": found.value, "ci": [found.lo, found.hi], "method": found.method,
-                  "verdict": verdict, "direction": direction, "message": message}
+                  "verdict": verdict, "direction": direction, "message": message,
+                  "pairs": found.pairs, "log_sd": found.log_sd}
 
 
 # Finished arms never change, so what was worked out for them is kept (bootstraps cost
@@ -241,47 +273,6 @@ def compare(engine: Engine, ids: Sequence[str], keys: Sequence[str] | None = Non
 
     result: dict[str, Any] = _cached(("compare", tuple(m.key for m in metrics)), arms, compute)
     return result
-
-
-def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, Arm]]) -> list[dict[str, Any]]:
-    """Per point with a fill and a prefill arm: fill/prefill of decode ITL and TPOT with
-    their intervals, and a verdict against ``MATCH_BAND``: ``matches`` (every interval
-    inside), ``differs`` (an interval wholly outside) or ``undecided``."""
-    out = []
-    for point, fill, prefill in pairs:
-        def compute(fill: Arm = fill, prefill: Arm = prefill) -> list[dict[str, Any]]:
-            return [change(engine, prefill, fill, BY_KEY[k]) for k in FILL_METRICS]
-
-        changes = _cached(("fill",), [fill, prefill], compute)
-        verdict = "matches"
-        for c in changes:
-            ci = c["ci"]
-            if ci is None:
-                state = "undecided"
-            elif ci[0] > MATCH_BAND[1] or ci[1] < MATCH_BAND[0]:
-                state = "differs"
-            elif MATCH_BAND[0] <= ci[0] and ci[1] <= MATCH_BAND[1]:
-                state = "matches"
-            else:
-                state = "undecided"
-            c["state"] = state
-            if state == "differs" or (state == "undecided" and verdict == "matches"):
-                verdict = state
-        lo, hi = MATCH_BAND
-        message = {
-            "matches": f"fill matches real prefill here: every interval lies within [{lo}, {hi}]",
-            "differs": "fill does not match real prefill here",
-            "undecided": (f"cannot tell whether fill matches real prefill here: an interval reaches "
-                          f"outside [{lo}, {hi}] (more requests or repeats narrow it)"),
-        }[verdict]
-        details = "; ".join(
-            f"{c['metric']} fill/prefill "
-            + (f"{c['ratio']:.3f} [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}] ({c['method']})"
-               if c["ci"] else "no interval")
-            for c in changes)
-        out.append({"point": point, "fill": fill.id, "prefill": prefill.id, "verdict": verdict,
-                    "message": f"{message}: {details}", "ratios": changes})
-    return out
 
 
 # --- baselines and regressions -----------------------------------------------------------
@@ -382,33 +373,6 @@ def spec_value(spec: dict[str, Any], key: str) -> Any:
     for part in key.split("."):
         spec = spec[part]
     return spec
-
-
-def sweep_points(engine: Engine, grid_keys: Sequence[str], runs: Sequence[Run]) -> tuple[
-        list[dict[str, Any]], list[dict[str, Any]]]:
-    """A sweep's points (its runs grouped into arms, each with its grid values and figures)
-    and, for a sweep over ``mode``, fill against prefill per point once both are finished."""
-    arms = arms_of(runs)
-    points: list[dict[str, Any]] = []
-    for arm in arms:
-        points.append({
-            "arm": arm.id,
-            "point": {k: spec_value(arm.spec, k) for k in grid_keys},
-            "runs": [r.id for r in arm.runs],
-            "succeeded": len(arm.ok),
-            "figures": {k: figure(arm, k) for k in POINT_FIGURES},
-        })
-    pairs = []
-    if "mode" in grid_keys:
-        others = [k for k in grid_keys if k != "mode"]
-        by_point: dict[tuple[Any, ...], dict[str, Arm]] = {}
-        for p, arm in zip(points, arms, strict=True):
-            by_point.setdefault(tuple(p["point"][k] for k in others), {})[p["point"]["mode"]] = arm
-        for values, modes in by_point.items():
-            fill, prefill = modes.get("fill"), modes.get("prefill")
-            if fill and prefill and fill.finished and prefill.finished and fill.ok and prefill.ok:
-                pairs.append((dict(zip(others, values, strict=True)), fill, prefill))
-    return points, fill_vs_prefill(engine, pairs)
 
 
 def group_view(engine: Engine, group_id: str) -> dict[str, Any]:

@@ -228,6 +228,9 @@ class Ratio:
     lo: float
     hi: float
     method: str
+    # Of an interval over pairs: how many, and the sd of their log ratios.
+    pairs: int | None = None
+    log_sd: float | None = None
 
     def differs(self) -> bool:
         """True when the interval excludes 1: B differs from A at the interval's confidence."""

@@ -32,7 +32,8 @@ Beyond vLLM's keys:
 - ``run_warnings`` turns samples into warnings; ``bunched_streams`` is the one
   samples alone can show: streams whose tokens reached the client in bursts
   instead of one engine step at a time (a starved client), so their gaps are not
-  the server's.
+  the server's. ``prefill_stall`` (the summary's ``prefill_stall``) is the share of
+  decode time paused by other requests' prefills: expected, not a warning.
 """
 
 from __future__ import annotations
@@ -214,14 +215,21 @@ def is_bunched(sample: Sample) -> bool:
 
 
 def run_warnings(samples: Sequence[Sample], summary: Mapping[str, object]) -> list[dict[str, object]]:
-    """Warnings the samples themselves show, as ``{code, message, figure}``."""
+    """Warnings the samples themselves show, as ``{code, message, figure}``.
+
+    ``bunched_streams`` fires for streams whose tokens reached the client in bursts, or a
+    median gap far below the TPOT inside the steady decode window. Outside that window a
+    low median ITL against the TPOT is what real prefill does at concurrency above one
+    (another request's prefill pauses decode: one long gap among short ones); that is
+    ``prefill_stall``, a figure of the summary, not a warning.
+    """
     streams = [s for s in samples if s.success and len(s.itl) >= 2]
     if not streams:
         return []
     bunched = sum(is_bunched(s) for s in streams)
     share = bunched / len(streams)
-    itl = summary.get("median_itl_ms")
-    tpot = summary.get("median_tpot_ms")
+    itl = summary.get("decode_median_itl_ms")
+    tpot = summary.get("decode_median_tpot_ms")
     pooled_low = (
         isinstance(itl, float) and isinstance(tpot, float) and tpot > 0 and itl < ITL_OF_TPOT * tpot
     )
@@ -232,12 +240,34 @@ def run_warnings(samples: Sequence[Sample], summary: Mapping[str, object]) -> li
         f"per engine step (median gap under {TOGETHER_OF_TPOT:.0%} of the stream's TPOT)"
     )
     if pooled_low:
-        message += f"; median ITL {itl:.3f} ms is below half the median TPOT {tpot:.3f} ms"
+        message += (f"; in the steady decode window the median ITL {itl:.3f} ms is below half "
+                    f"the median TPOT {tpot:.3f} ms")
     message += (
         ": the client did not see tokens when the server sent them (a starved client or a "
         "buffering proxy), so this run's ITL, and TPOT of those streams, are not meaningful"
     )
     return [{"code": "bunched_streams", "message": message, "figure": round(share, 4)}]
+
+
+def prefill_stall(samples: Sequence[Sample]) -> dict[str, object]:
+    """Decode paused by other requests' prefills: the share of the streams' decode time
+    (sum of their gaps) spent in gaps outside the steady decode window, that is while
+    another request of the run waited for its first token; with what it means. Expected
+    of real prefill at concurrency above one, and the reason ``decode_*`` keys exist."""
+    ok = [s for s in samples if s.success]
+    masks = steady_masks(ok)
+    total = stalled = 0.0
+    gaps = 0
+    for sample, keep in zip(ok, masks, strict=True):
+        itl = np.asarray(sample.itl, dtype=np.float64)
+        total += float(itl.sum())
+        stalled += float(itl[~keep].sum())
+        gaps += int((~keep).sum())
+    share = stalled / total if total > 0 else 0.0
+    return {"share": round(share, 4), "gaps": gaps, "message": (
+        f"{share:.0%} of decode time was in {gaps} gaps while another request was being "
+        "prefilled (decode paused by its prefill): expected of real prefill at concurrency "
+        "above one; median ITL and TPOT include those pauses, the decode_* figures leave them out")}
 
 
 def _per_second(count: float, duration: float) -> float:

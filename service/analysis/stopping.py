@@ -13,7 +13,9 @@ interval has confidence 1 - 5%/K, so the chance that any of the K intervals miss
 true median is at most 5% (Bonferroni): the interval a run reports misses it in at most
 5% of runs, whichever look each stopped at. A look is taken over the requests answered
 up to its count (in the order they were answered), so the rule gives the same answer
-however often it is asked: asking more often adds no looks.
+however often it is asked: asking more often adds no looks. A sweep's ``until_decided``
+rule over pairs of trials plans its looks the same way (``planned_looks``; see
+``service.analysis.pairs``).
 
 The interval reported with a run that has the rule is taken over every answered request
 at the looks' confidence, whatever ended the run (after a stop, the look's requests and
@@ -70,17 +72,23 @@ class Looks:
         return bisect.bisect_right(self.counts, answered)
 
 
-def looks(spec: RunSpec) -> Looks | None:
-    """The looks of ``spec``'s interval rule; None without one."""
-    if spec.stop is None or spec.stop.itl_ci_pct is None:
-        return None
-    budget = spec.prompt_budget()
-    counts = [spec.stop_min_prompts()]
+def planned_looks(first: int, budget: int) -> Looks:
+    """Looks at ``first``, each later one at ``GROWTH`` times the one before, and at the
+    budget: the plan of the stop rule within a run (counts of requests) and of a sweep's
+    rule over pairs of trials (``service.analysis.pairs``)."""
+    counts = [first]
     while counts[-1] * GROWTH < budget:
         counts.append(counts[-1] * GROWTH)
     if counts[-1] < budget:
         counts.append(budget)
     return Looks(tuple(counts))
+
+
+def looks(spec: RunSpec) -> Looks | None:
+    """The looks of ``spec``'s interval rule; None without one."""
+    if spec.stop is None or spec.stop.itl_ci_pct is None:
+        return None
+    return planned_looks(spec.stop_min_prompts(), spec.prompt_budget())
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from sqlalchemy import Engine
 from service.control.fleet import Fleet
 from service.control.placement import QueuedRow, place
 from service.control.runner import Runner, ensure_ended
+from service.control.until_decided import follow_up
 from service.core.spec import RunSpec, describe
 from service.core.status import RunStatus
 from service.settings import Settings
@@ -255,6 +256,10 @@ class Scheduler:
             used = [h for h in (runner.placement.reuse, runner.handle) if h is not None]
             self.fleet.release(run_id, used)
             await asyncio.to_thread(ensure_ended, self.engine, run_id)
+            try:
+                await asyncio.to_thread(follow_up, self.engine, run_id)
+            except Exception:
+                log.exception("run %s: its sweep's until_decided rule failed", run_id)
         finally:
             self._runners.pop(run_id, None)
             self._tasks.pop(run_id, None)

@@ -30,7 +30,7 @@ from service.analysis.checks import (
     infeasible,
     server_warnings,
 )
-from service.analysis.metrics import run_warnings, summarize, summary_intervals
+from service.analysis.metrics import prefill_stall, run_warnings, summarize, summary_intervals
 from service.analysis.roofline import roofline
 from service.analysis.server_metrics import Point as ScrapedPoint
 from service.analysis.server_metrics import Scraper
@@ -275,6 +275,7 @@ class Runner:
         summary: dict[str, Any] = dict(
             summarize(self.samples, duration, self.spec.goodput.model_dump(exclude_none=True)))
         summary.update(summary_intervals(self.samples))
+        summary["prefill_stall"] = prefill_stall(self.samples)
         # The provenance as stored now: a connector report after the snapshot is in it.
         prov = store.get_run(self.engine, self.run_id).provenance or {}
         itl = summary.get("decode_median_itl_ms")

@@ -44,6 +44,22 @@ class SweepGrid(Strict):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+class UntilDecided(Strict):
+    """Run fill/prefill pairs until every point is decided or ``max_pairs`` pairs per point
+    are spent (see ``service.analysis.pairs``)."""
+
+    max_pairs: Int = Field(ge=2, le=MAX_REPEATS)
+
+
+class TrialsCreate(Strict):
+    """More trials for a sweep: ``count`` more pairs per point of a sweep over ``mode``
+    (trials otherwise), at the points whose grid values ``point`` names (every point
+    when it is left out)."""
+
+    count: Int = Field(default=1, ge=1, le=MAX_REPEATS)
+    point: dict[str, Any] | None = None
+
+
 class SweepCreate(Strict):
     """A base spec and the values to sweep; one run per point of the grid."""
 
@@ -51,12 +67,26 @@ class SweepCreate(Strict):
     grid: SweepGrid
     # Trials of every point; the same as ``base.repeats``, which it sets when given.
     repeats: Int | None = Field(default=None, ge=1, le=MAX_REPEATS)
+    # Pairs until every fill/prefill verdict is decided; needs ``mode: [fill, prefill]``.
+    until_decided: UntilDecided | None = None
 
     @model_validator(mode="after")
     def _grid(self) -> SweepCreate:
         axes = self.grid.axes()
         if not axes:
             raise ValueError(f"the grid sweeps nothing; sweepable: {', '.join(SWEEP_KEYS)}")
+        if self.until_decided is not None:
+            if sorted(axes.get("mode", [])) != ["fill", "prefill"]:
+                raise ValueError("until_decided runs fill/prefill pairs: the grid must sweep "
+                                 'mode over ["fill", "prefill"]')
+            first = max(self.repeats or self.base.repeats, 2)
+            if first > self.until_decided.max_pairs:
+                raise ValueError(f"until_decided.max_pairs ({self.until_decided.max_pairs}) is "
+                                 f"below the pairs the sweep starts with ({first})")
+            if self.repeats is None and "repeats" not in self.base.model_fields_set:
+                self.repeats = first  # the rule's first look is at two pairs at least
+            elif (self.repeats or self.base.repeats) < 2:
+                raise ValueError("until_decided needs two pairs or more to start with (repeats >= 2)")
         if self.repeats is not None:
             if "repeats" in self.base.model_fields_set and self.base.repeats != self.repeats:
                 raise ValueError(
@@ -71,6 +101,12 @@ class SweepCreate(Strict):
                 f"the grid makes {size} points x {self.base.repeats} repeats = "
                 f"{size * self.base.repeats} runs, more than the cap of {MAX_SWEEP_RUNS}")
         return self
+
+    def options(self) -> dict[str, Any] | None:
+        """What the sweep keeps beside its grid: ``{"until_decided": {"max_pairs": n}}``."""
+        if self.until_decided is None:
+            return None
+        return {"until_decided": self.until_decided.model_dump()}
 
     def points(self) -> list[tuple[dict[str, Any], RunSpec]]:
         """Every grid point with its full spec; a point that is not a valid spec is a ValueError."""

@@ -2,34 +2,137 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
+from typing import Any
+
 from sqlalchemy import Engine, delete, func
 from sqlmodel import Session, col, select
 
 from service.core.errors import Conflict, Invalid, NotFound, shown
 from service.core.ids import new_id
+from service.core.spec import MAX_REPEATS, RunSpec, point_key
 from service.core.status import FINISHED
-from service.core.sweep import SweepCreate
+from service.core.sweep import MAX_SWEEP_RUNS, SweepCreate, TrialsCreate
 from service.storage.db import write_session
 from service.storage.store import queue_in_order, trial_runs
 from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint, Sweep
 
 
-def create_sweep(engine: Engine, body: SweepCreate) -> Sweep:
-    """Insert a sweep and one queued run per grid point, all or nothing."""
+def _spec_value(spec: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        spec = spec[part]
+    return spec
+
+
+def _interleave(grid_keys: Sequence[str], per_point: Sequence[Sequence[Run]],
+                rng: random.Random) -> list[Run]:
+    """The runs of every point (``per_point[i][k]``: trial ``k`` of point ``i``) in queue
+    order: trial by trial across the points (A B C A B C), so drift over time spreads over
+    every point instead of landing on one. In a sweep over ``mode`` the fill and the
+    prefill trial ``k`` of one point are a pair, queued back to back in an order drawn per
+    pair; both get the pair's id and their place in it."""
+    others = [k for k in grid_keys if k != "mode"]
+    bases: dict[tuple[Any, ...], list[Sequence[Run]]] = {}
+    for trials in per_point:
+        spec = trials[0].spec
+        key = tuple(_spec_value(spec, k) for k in others) if "mode" in grid_keys else (id(trials),)
+        bases.setdefault(key, []).append(trials)
+    out: list[Run] = []
+    for k in range(max(len(t) for t in per_point)):
+        for arms in bases.values():
+            now = [trials[k] for trials in arms if k < len(trials)]
+            if len(now) == 2:
+                if rng.random() < 0.5:
+                    now.reverse()
+                pair = new_id("p")
+                for order, run in enumerate(now):
+                    run.pair_id, run.pair_order = pair, order
+            out.extend(now)
+    return out
+
+
+def create_sweep(engine: Engine, body: SweepCreate, rng: random.Random | None = None) -> Sweep:
+    """Insert a sweep and one queued run per grid point and trial, all or nothing."""
     try:
         points = body.points()
     except ValueError as exc:
         raise Invalid(str(exc)) from exc
-    sweep = Sweep(id=new_id("s"), base=body.base.model_dump(), grid=body.grid.axes())
+    sweep = Sweep(id=new_id("s"), base=body.base.model_dump(), grid=body.grid.axes(),
+                  options=body.options())
     per_point = [trial_runs(spec, sweep.id) for _, spec in points]
-    # Trial by trial across the points (A B C A B C): drift over time spreads over every
-    # point instead of landing on one.
-    runs = [trials[k] for k in range(body.base.repeats) for trials in per_point]
+    runs = _interleave(list(sweep.grid), per_point, rng or random.Random())
     queue_in_order(runs)
     with write_session(engine) as session:
         session.add(sweep)
         session.add_all(runs)
     return sweep
+
+
+def _selected(grid: dict[str, list[Any]], point: dict[str, Any] | None) -> dict[str, Any]:
+    """The grid values ``point`` selects by, checked against the grid."""
+    if not point:
+        return {}
+    unknown = [k for k in point if k not in grid]
+    if unknown:
+        raise Invalid(f"point names {', '.join(map(shown, unknown))}, which the grid does not "
+                      f"sweep; it sweeps {', '.join(grid)}")
+    if "mode" in point and "mode" in grid and len(grid["mode"]) > 1:
+        raise Invalid("trials of a sweep over mode are added as fill/prefill pairs: leave mode "
+                      "out of the point")
+    return point
+
+
+def add_trials(engine: Engine, sweep_id: str, body: TrialsCreate,
+               rng: random.Random | None = None) -> list[Run]:
+    """Queue ``body.count`` more trials of every point ``body.point`` selects (pairs of a
+    sweep over mode), after what is queued; trial ``k`` runs with seed ``seed + k`` like
+    the first ones. A point that had one run becomes a group of trials. The new runs."""
+    sweep, runs = get_sweep(engine, sweep_id)
+    grid: dict[str, list[Any]] = sweep.grid
+    wanted = _selected(grid, body.point)
+    arms: dict[str, list[Run]] = {}
+    for run in runs:
+        arms.setdefault(run.group_id or run.id, []).append(run)
+    chosen = [trials for trials in arms.values()
+              if all(_spec_value(trials[0].spec, k) == v for k, v in wanted.items())]
+    if not chosen:
+        raise Invalid(f"no point of sweep {shown(sweep_id)} has {wanted}")
+    total = len(runs) + body.count * len(chosen)
+    if total > MAX_SWEEP_RUNS:
+        raise Conflict(f"{body.count} more trials of {len(chosen)} runs' points make {total} runs, "
+                       f"more than a sweep's cap of {MAX_SWEEP_RUNS}")
+    regrouped: list[Run] = []
+    per_point: list[list[Run]] = []
+    for trials in chosen:
+        trials.sort(key=lambda r: r.trial or 0)
+        first = trials[0]
+        if len(trials) + body.count > MAX_REPEATS:
+            raise Conflict(f"a point of {len(trials)} trials with {body.count} more has more than "
+                           f"{MAX_REPEATS} trials")
+        group = first.group_id
+        if group is None:
+            group = first.group_id = new_id("g")
+            first.trial = 0
+            regrouped.append(first)
+        start = max(r.trial or 0 for r in trials) + 1
+        seed = int(first.spec["seed"]) - (first.trial or 0)
+        new = []
+        for k in range(start, start + body.count):
+            spec = RunSpec.stored({**first.spec, "seed": (seed + k) % 2**32}).model_dump()
+            new.append(Run(id=new_id("r"), spec=spec, model=first.model, total=first.total,
+                           sweep_id=sweep.id, group_id=group, trial=k, point=point_key(spec)))
+        per_point.append(new)
+    added = _interleave(list(grid), per_point, rng or random.Random())
+    queue_in_order(added)
+    with write_session(engine) as session:
+        for run in regrouped:
+            stored = session.get(Run, run.id)
+            assert stored is not None
+            stored.group_id, stored.trial = run.group_id, run.trial
+            session.add(stored)
+        session.add_all(added)
+    return added
 
 
 def get_sweep(engine: Engine, sweep_id: str) -> tuple[Sweep, list[Run]]:

@@ -47,6 +47,10 @@ class Run(SQLModel, table=True):
     # The trials of one point (``spec.repeats`` > 1) share a group id; ``trial`` counts from 0.
     group_id: str | None = SQLField(default=None, index=True)
     trial: int | None = None
+    # The fill and the prefill trial of one sweep point that ran back to back share a pair
+    # id; ``pair_order`` 0 ran first (the order is drawn per pair).
+    pair_id: str | None = SQLField(default=None, index=True)
+    pair_order: int | None = None
     # ``point_key`` of the spec: runs of the same point, for baselines.
     point: str | None = SQLField(default=None, index=True)
     # The setup its numbers came from (see ``service.core.provenance.snapshot``), taken when it
@@ -70,6 +74,8 @@ class Sweep(SQLModel, table=True):
     id: str = SQLField(primary_key=True)
     base: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
     grid: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    # ``{"until_decided": {"max_pairs": n}}``: run pairs until every point is decided.
+    options: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
     created_at: datetime = SQLField(default_factory=utcnow, index=True)
 
 

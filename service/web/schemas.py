@@ -51,6 +51,8 @@ class RunPublic(BaseModel):
     sweep_id: str | None = None
     group_id: str | None = None
     trial: int | None = None
+    pair_id: str | None = None
+    pair_order: int | None = None
     provenance: dict[str, Any] | None = None
 
     @classmethod
@@ -76,6 +78,8 @@ class RunPublic(BaseModel):
             sweep_id=run.sweep_id,
             group_id=run.group_id,
             trial=run.trial,
+            pair_id=run.pair_id,
+            pair_order=run.pair_order,
             provenance=run.provenance,
         )
 
@@ -170,10 +174,13 @@ class SweepPublic(BaseModel):
     progress: dict[str, int]
     runs: list[RunPublic]
     repeats: int = 1
+    # ``{"until_decided": {"max_pairs": n}}`` when the sweep runs pairs until decided.
+    options: dict[str, Any] | None = None
     # One entry per point: ``{arm, point, runs, succeeded, figures: {key: {value, ci, cv, n,
     # method}}}`` (see ``service.analysis.comparison``).
     points: list[dict[str, Any]] = Field(default_factory=list)
-    # Per point with both modes finished: fill/prefill of decode ITL and TPOT with verdicts.
+    # Per point with both modes finished: fill/prefill of decode ITL and TPOT with verdicts,
+    # the pairs, how many would decide (``needed``, ``more``) and a one-line ``line``.
     fill_vs_prefill: list[dict[str, Any]] = Field(default_factory=list)
 
 

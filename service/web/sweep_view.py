@@ -7,7 +7,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from service.analysis.comparison import POINT_FIGURES, spec_value, sweep_points
+from service.analysis.comparison import POINT_FIGURES, spec_value
+from service.analysis.fill_verdict import sweep_points, sweep_rule
 from service.core.status import FINISHED, RunStatus
 from service.storage import sweeps
 from service.web.schemas import RunPublic, SweepPublic
@@ -26,10 +27,12 @@ def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
     progress["total"] = len(runs)
     progress["finished"] = sum(progress[s.value] for s in FINISHED)
     progress["infeasible"] = sum(bool(r.error and r.error.startswith("infeasible")) for r in runs)
+    repeats = int(sweep.base.get("repeats", 1))
     public = SweepPublic(id=sweep.id, base=sweep.base, grid=sweep.grid, created_at=sweep.created_at,
                          progress=progress, runs=[RunPublic.of(r) for r in runs],
-                         repeats=int(sweep.base.get("repeats", 1)))
-    public.points, public.fill_vs_prefill = sweep_points(engine, list(sweep.grid), runs)
+                         repeats=repeats, options=sweep.options)
+    public.points, public.fill_vs_prefill = sweep_points(
+        engine, list(sweep.grid), runs, sweep_rule(sweep.options, repeats))
     return public
 
 

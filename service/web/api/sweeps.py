@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from service.analysis import comparison
 from service.core.errors import Conflict
 from service.core.status import FINISHED, MEASURED
-from service.core.sweep import SweepCreate
+from service.core.sweep import SweepCreate, TrialsCreate
 from service.storage import logs, sweeps
 from service.web import sweep_view, vllm_sweep
 from service.web.api.exports import csv_attachment
@@ -63,6 +63,16 @@ def list_sweeps(
 def get_sweep(sweep_id: str, engine: DB) -> SweepPublic:
     """A sweep: its grid, progress and runs; its points (trials grouped) with each figure's
     95% interval; with a grid over ``mode``, fill against real prefill per point."""
+    return sweep_view.sweep_public(engine, sweep_id)
+
+
+@router.post("/api/sweeps/{sweep_id}/trials", status_code=201, response_model=SweepPublic,
+             dependencies=ADMIN)
+def add_trials(sweep_id: str, body: TrialsCreate, engine: DB, scheduler: Sched) -> SweepPublic:
+    """Queue more trials of a sweep's points (fill/prefill pairs in a sweep over mode): of
+    every point, or of those whose grid values ``point`` names; they join the pairs."""
+    sweeps.add_trials(engine, sweep_id, body)
+    scheduler.notify()
     return sweep_view.sweep_public(engine, sweep_id)
 
 

@@ -1,0 +1,45 @@
+"""A sweep's ``until_decided`` rule at work: when a point's pairs have all finished, look
+at its fill/prefill verdict at a planned look and queue the pairs up to the next look
+while it is undecided and the budget allows (the rule: ``service.analysis.pairs``)."""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import Engine
+
+from service.analysis.comparison import arms_of, spec_value
+from service.analysis.fill_verdict import fill_vs_prefill, finished_pairs, sweep_rule
+from service.core.sweep import TrialsCreate
+from service.storage import store, sweeps
+
+log = logging.getLogger(__name__)
+
+
+def follow_up(engine: Engine, run_id: str) -> int:
+    """After ``run_id`` ended: queue the next look's pairs of its point when its sweep has
+    the rule and the point is undecided at its look. How many pairs were queued."""
+    run = store.get_run(engine, run_id)
+    if run.sweep_id is None:
+        return 0
+    sweep, runs = sweeps.get_sweep(engine, run.sweep_id)
+    rule = sweep_rule(sweep.options, int(sweep.base.get("repeats", 1)))
+    if rule is None:
+        return 0
+    keys = [k for k in sweep.grid if k != "mode"]
+    mine = {k: spec_value(run.spec, k) for k in keys}
+    same = [r for r in runs if all(spec_value(r.spec, k) == v for k, v in mine.items())]
+    arms = arms_of(same)
+    points = [{"point": {k: spec_value(a.spec, k) for k in sweep.grid}} for a in arms]
+    found = fill_vs_prefill(engine, finished_pairs(list(sweep.grid), points, arms), rule)
+    if not found or found[0]["verdict"] != "undecided":
+        return 0
+    # Pairs queued so far (a failed trial still used up its pair of the budget).
+    queued = len({r.pair_id for r in same if r.pair_id})
+    upcoming = next((c for c in rule.counts if c > queued), None)
+    if upcoming is None:
+        return 0
+    sweeps.add_trials(engine, sweep.id, TrialsCreate(count=upcoming - queued, point=mine or None))
+    log.info("sweep %s, point %s: undecided at %d pairs; %d more queued", sweep.id, mine, queued,
+             upcoming - queued)
+    return upcoming - queued
