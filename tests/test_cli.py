@@ -254,6 +254,28 @@ def test_sweep_runs_compare_show_and_cancel(service: Any, tmp_path: Path) -> Non
     assert refused.returncode == 2 and "already finished" in refused.stderr
     unknown = cli(service.control_url, "show", "r-nosuchrun")
     assert unknown.returncode == 2 and "404" in unknown.stderr
+    # One pair per point cannot tell; a second pair at one point joins it.
+    sweep_id = runs[0]["sweep_id"]
+    assert done.stdout.count("one pair: cannot tell") == 2, done.stdout
+    more = cli(service.control_url, "trials", sweep_id, "--point", "input_len=8", timeout=300)
+    assert more.returncode == 0, more.stderr
+    lines = dict(line.split(": ", 1) for line in more.stdout.splitlines() if line.startswith("input_len="))
+    assert "over 2 pairs" in lines["input_len=8 output_len=4"] or "2 pairs" in more.stdout, more.stdout
+    assert lines["input_len=16 output_len=4"].startswith("one pair"), more.stdout
+    assert len(service.get(f"/api/sweeps/{sweep_id}").json()["runs"]) == 6
+    # vLLM's sweep layout on disk, and a vLLM result file read back as an imported run.
+    exported = cli(service.control_url, "export", sweep_id, str(tmp_path / "sweep"))
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "sweep" / "summary.csv").is_file()
+    assert len(list((tmp_path / "sweep").rglob("run=*.json"))) == 6
+    imported = cli(service.control_url, "import", str(TESTS / "data" / "vllm-bench-serve-result.json"))
+    assert imported.returncode == 0, imported.stderr
+    run_id = imported.stdout.split("imported as ")[1].split()[0]
+    assert service.get(f"/api/runs/{run_id}").json()["status"] == "imported"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"date": "20261124-000000"}')
+    refused = cli(service.control_url, "import", str(bad))
+    assert refused.returncode == 2 and "422" in refused.stderr
 
 
 def test_a_failed_run_exits_non_zero(stub_service: Any) -> None:

@@ -264,6 +264,8 @@ GRID = (("input_len", "--input-len", int), ("output_len", "--output-len", int),
 @click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it).")
 @click.option("--max-model-len", type=click.IntRange(16), default=None)
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
+@click.option("--until-decided", type=click.IntRange(2), default=None, metavar="MAX_PAIRS",
+              help="Run fill/prefill pairs until every point is decided or MAX_PAIRS are spent.")
 @click.option("--no-wait", is_flag=True, help="Submit and print the sweep's id, without following it.")
 @click.pass_context
 def sweep(ctx: click.Context, /, **values: Any) -> None:
@@ -285,13 +287,55 @@ def sweep(ctx: click.Context, /, **values: Any) -> None:
     if engine:
         base["engine"] = engine
     client = client_of(ctx)
-    created = client.post("/api/sweeps", {"base": base, "grid": grid, "repeats": values["repeats"]})
+    body: dict[str, Any] = {"base": base, "grid": grid, "repeats": values["repeats"]}
+    if values["until_decided"] is not None:
+        body["until_decided"] = {"max_pairs": values["until_decided"]}
+    created = client.post("/api/sweeps", body)
     sweep_id = created["id"]
     err.print(f"sweep {sweep_id}: {len(created['runs'])} runs on {client.url} "
               f"(page {client.url}/sweeps/{sweep_id})", highlight=False)
     if values["no_wait"]:
         console.print(sweep_id)
         return
+
+    _follow_and_judge(client, sweep_id)
+
+
+@cli.command()
+@click.argument("sweep_id")
+@click.option("--count", type=click.IntRange(1), default=1, show_default=True,
+              help="More pairs (trials, in a sweep not over mode) per point.")
+@click.option("--point", "point", multiple=True, metavar="KEY=VALUE",
+              help="Only the points with this grid value (repeat it); every point without it.")
+@click.option("--no-wait", is_flag=True, help="Queue them without following the sweep.")
+@click.pass_context
+def trials(ctx: click.Context, sweep_id: str, count: int, point: Sequence[str], no_wait: bool) -> None:
+    """Add trials to a sweep's points (they join its fill/prefill pairs) and follow it."""
+    chosen: dict[str, Any] = {}
+    for item in point:
+        key, sep, text = item.partition("=")
+        if not sep:
+            fail(f"--point {item!r}: give KEY=VALUE, e.g. input_len=8192", 2)
+        chosen[key] = _value(text)
+    client = client_of(ctx)
+    client.post(f"/api/sweeps/{sweep_id}/trials", {"count": count, "point": chosen or None})
+    err.print(f"queued {count} more per point on sweep {sweep_id}", highlight=False)
+    if not no_wait:
+        _follow_and_judge(client, sweep_id)
+
+
+def _value(text: str) -> Any:
+    """A grid value as typed: a number where it reads as one, else the word."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return None if text in ("none", "null") else text
+
+
+def _follow_and_judge(client: Client, sweep_id: str) -> None:
+    """Follow a sweep to its end, then print its verdicts; exit 1 if a run did not succeed."""
 
     def cancel() -> None:
         try:
@@ -304,10 +348,15 @@ def sweep(ctx: click.Context, /, **values: Any) -> None:
         ended = follow_sweep(client, sweep_id, err, cancel=cancel)
     except KeyboardInterrupt:
         sys.exit(130)
+    _verdicts(ended)
+
+
+def _verdicts(ended: dict[str, Any]) -> None:
+    """Fill against prefill per point, as the sweep page says it, and the exit status."""
     for row in ended.get("fill_vs_prefill") or []:
-        console.print(f"{_point_text(row.get('point'))}: {row.get('verdict')}: {row.get('message', '')}",
+        console.print(f"{_point_text(row.get('point'))}: {row.get('line') or row.get('verdict')}",
                       highlight=False, markup=False)
-    if any(r["status"] != "succeeded" for r in ended["runs"]):
+    if any(r["status"] not in ("succeeded", "imported") for r in ended["runs"]):
         sys.exit(1)
 
 
@@ -414,13 +463,24 @@ def import_results(ctx: click.Context, files: Sequence[Path]) -> None:
     imported), for compare and baselines beside decodebench's own."""
     client = client_of(ctx)
     for path in files:
-        for k, line in enumerate(x for x in path.read_text().splitlines() if x.strip()):
-            try:
-                body = json.loads(line)
-            except json.JSONDecodeError as error:
-                fail(f"{path} (result {k + 1}): not JSON: {error}", 2)
+        for body in _results(path):
             run = client.post("/api/imports", body)
             console.print(f"{path}: imported as {run['id']}", highlight=False)
+
+
+def _results(path: Path) -> list[Any]:
+    """The results in a file: one JSON document, or one per line as --append-result writes."""
+    text = path.read_text()
+    try:
+        return [json.loads(text)]
+    except json.JSONDecodeError as whole:
+        found = []
+        for line in (x for x in text.splitlines() if x.strip()):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                fail(f"{path}: not a result file (JSON, or one JSON result per line): {whole}", 2)
+        return found
 
 
 @cli.command()

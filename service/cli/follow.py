@@ -101,7 +101,9 @@ def follow_sweep(client: Client, sweep_id: str, console: Console,
                     if not console.is_terminal and said.get(label) != line:
                         console.print(line, highlight=False, markup=False)
                         said[label] = line
-                if sweep["runs"] and all(r["status"] in ENDED for r in sweep["runs"]):
+                # Under until_decided a look may still queue pairs once the runs have ended.
+                looking = any(row.get("next_look") for row in sweep.get("fill_vs_prefill") or [])
+                if sweep["runs"] and all(r["status"] in ENDED for r in sweep["runs"]) and not looking:
                     return dict(sweep)
                 time.sleep(POLL_S)
     except KeyboardInterrupt:
