@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 import anyio.to_thread
 import httpx
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
 
 from service.control import provenance
@@ -23,6 +23,7 @@ from service.storage.db import LOOP_EXECUTOR_THREADS, THREADPOOL_THREADS, make_e
 from service.web import api, openapi_links, pages, prom
 from service.web.errors import install_error_handlers
 from service.web.limits import BodyLimit
+from service.web.query import one_value_each
 
 log = logging.getLogger(__name__)
 # How often the logs of workers that ended long ago are looked for (``service.storage.logs``).
@@ -99,6 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="Long-context decode benchmarks for vLLM, with KV cache fill instead of prefill.",
         lifespan=lifespan,
+        dependencies=[Depends(one_value_each)],
     )
     install_error_handlers(app)
 

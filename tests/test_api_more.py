@@ -430,3 +430,17 @@ def test_driver_nodes_above_one_needs_a_ray_cluster(client: TestClient) -> None:
         assert answer.status_code == 422, answer.text
         assert "needs a Ray cluster" in answer.json()["detail"]
     assert client.post("/api/runs", json={"driver_nodes": 1, "num_prompts": 1}).status_code == 201
+
+
+def test_a_one_value_query_parameter_given_twice_is_refused(client: TestClient) -> None:
+    run = client.post("/api/runs", json={"num_prompts": 2, "input_len": 8, "output_len": 3}).json()
+    answer = client.get(f"/api/runs/{run['id']}/export", params=[
+        ("format", "csv"), ("metric_percentiles", "50"), ("metric_percentiles", "99")])
+    assert answer.status_code == 422
+    assert "metric_percentiles given 2 times: each takes one value" in answer.text
+    # A list parameter takes repeats: metadata, and compare's ids.
+    listed = client.get("/api/runs", params=[("limit", "5")])
+    assert listed.status_code == 200
+    compare = client.get("/api/compare", params=[("ids", run["id"]), ("ids", run["id"])])
+    assert "given 2 times" not in compare.text
+    assert client.get("/api/runs", params=[("limit", "5"), ("limit", "6")]).status_code == 422

@@ -315,3 +315,4 @@ def test_the_export_refuses_percentile_options_it_cannot_honour(service: Any) ->
     live = service.get(f"/api/runs/{run['id']}/live").json()
     assert (live["completed"], live["total"], live["status"]) == (2, 2, "succeeded")
     assert live["eta_s"] is None and live["elapsed_s"] > 0 and live["decode_median_itl_ms"] > 0
+
