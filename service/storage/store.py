@@ -208,7 +208,8 @@ def record_pull(engine: Engine, run_id: str) -> None:
 def record_report(
     engine: Engine, worker_id: str, source: str, runs: dict[str, dict[str, float | str]]
 ) -> int:
-    """Store a connector's cumulative counters for the runs this worker served; return how many."""
+    """Store a connector's cumulative counters for the runs this worker served; return how
+    many changed (counters a side sent before, unchanged, are not written again)."""
     stored = 0
     with write_session(engine) as session:
         for run_id, counters in runs.items():
@@ -217,6 +218,8 @@ def record_report(
                 continue  # not this worker's run: ignored, never trusted
             report = dict(run.connector or {})
             ranks = dict(report.get("ranks", {}))
+            if ranks.get(source) == counters:
+                continue
             ranks[source] = counters
             report["ranks"] = ranks
             # When each side last reported: the runner waits for reports newer than a run's end.
