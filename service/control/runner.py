@@ -42,14 +42,13 @@ from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
 from service.control.vllm_cli import local_model_config
 from service.control.watchdog import Watchdog
-from service.core.ids import utcnow
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import RunStatus
 from service.load.shards import DriverError
 from service.settings import Settings
-from service.storage import measurements, store, workers
+from service.storage import measurements, store
 
 log = logging.getLogger(__name__)
 
@@ -215,20 +214,10 @@ class Runner:
         load_format = effective_load_format(spec.model, spec.engine.load_format)
         facts = provenance.service_facts()
 
-        def begin() -> bool:
-            # One trip to a database thread, not one a write: on a busy event loop each
-            # trip waits its turn.
-            workers.count_worker_run(self.engine, handle.id)
-            # The worker id goes in before the first request: the connector's
-            # pull is only answered for runs assigned to the asking worker.
-            store.update_fields(self.engine, self.run_id, worker_id=handle.id,
-                                cpu_binding=handle.cpu_binding)
-            store.snapshot_provenance(self.engine, self.run_id, handle.id, load_format,
-                                      handle.kv_tokens, facts)
-            return reason is None and store.transition(self.engine, self.run_id, RunStatus.running,
-                                                       started_at=utcnow())
-
-        began = await asyncio.to_thread(begin)
+        # One transaction: the server and the provenance recorded, and the move to running.
+        began = await asyncio.to_thread(
+            store.begin_measuring, self.engine, self.run_id, handle.id, handle.cpu_binding, load_format,
+            handle.kv_tokens, facts, go=reason is None)
         if reason is not None:
             raise RunFailed(reason)
         if not began:

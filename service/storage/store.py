@@ -268,6 +268,36 @@ def snapshot_provenance(engine: Engine, run_id: str, worker_id: str, load_format
         return run.provenance
 
 
+def begin_measuring(engine: Engine, run_id: str, worker_id: str, cpu_binding: dict[str, Any] | None,
+                    load_format: str, kv_tokens: int | None, facts: Mapping[str, Any], *,
+                    go: bool) -> bool:
+    """A placed run is about to send its first request, in one transaction: its server
+    counts one more run served, the run records the server (``worker_id``: the connector's
+    pull is only answered for a run assigned to the asking worker) and its provenance
+    (see ``snapshot_provenance``); with ``go``, it moves to ``running`` (guarded) now.
+    True if it did."""
+    with write_session(engine) as session:
+        session.exec(update(Worker).where(col(Worker.id) == worker_id)
+                     .values(runs_served=col(Worker.runs_served) + 1))
+        run = session.get(Run, run_id)
+        if run is None:
+            return False
+        run.worker_id = worker_id
+        run.cpu_binding = cpu_binding
+        worker = worker_facts(session.get(Worker, worker_id))
+        run.provenance = provenance.snapshot(worker, run.spec, load_format, kv_tokens, facts)
+        session.add(run)
+        session.flush()
+        if not go:
+            return False
+        sources = [s.value for s in sources_of(RunStatus.running)]
+        result = session.exec(
+            update(Run).where(col(Run.id) == run_id, col(Run.status).in_(sources))
+            .values(status=RunStatus.running.value, started_at=utcnow())
+        )
+        return bool(result.rowcount == 1)
+
+
 def record_drivers(engine: Engine, run_id: str, placement: list[dict[str, Any]]) -> None:
     """Record on a run's provenance where its driver shards ran (``drivers``: shard, node,
     and on a cluster each host's clock offset to the service with its uncertainty)."""
