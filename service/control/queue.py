@@ -254,7 +254,8 @@ class Scheduler:
             await self.fleet.release_evicted(run_id, runner.placement)
             used = [h for h in (runner.placement.reuse, runner.handle) if h is not None]
             self.fleet.release(run_id, used)
-            await asyncio.to_thread(ensure_ended, self.engine, run_id)
+            if not runner.end_written:
+                await asyncio.to_thread(ensure_ended, self.engine, run_id)
         finally:
             self._runners.pop(run_id, None)
             self._tasks.pop(run_id, None)

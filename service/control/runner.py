@@ -86,6 +86,8 @@ class Runner:
         self._report_came = asyncio.Event()
         # Set once the run has ended (its end state written, or given back to the queue).
         self.ended = asyncio.Event()
+        # True once ``_end`` has moved the run to its final status: nothing left to check.
+        self.end_written = False
         self.samples: list[Sample] = []
         self._saved = 0
         # The progress counts (completed, failed) last saved; None: none yet.
@@ -428,8 +430,8 @@ class Runner:
                 await self.persist()
                 if status is not None:
                     extra = {"error": error} if error else {}
-                    await asyncio.to_thread(store.transition, self.engine, self.run_id, status,
-                                            **counts, **extra, **fields)
+                    self.end_written = await asyncio.to_thread(
+                        store.transition, self.engine, self.run_id, status, **counts, **extra, **fields)
                 return
             except Exception:
                 log.exception("run %s: writing its end state failed (try %d of %d)",
