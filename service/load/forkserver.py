@@ -15,7 +15,8 @@ service -> host
     ``{"fork": n}`` with three file descriptors (SCM_RIGHTS): the driver's stdin and
     stdout (each the far end of a socket pair) and stderr. The child puts them on 0, 1
     and 2 and runs ``service.load.driver.main``, so it speaks the driver's line protocol
-    exactly as ``python -m service.load.driver`` does. Closing its end of the socket (or dying) ends the host.
+    exactly as ``python -m service.load.driver`` does. Closing its end of the socket (or
+    dying) ends the host.
 
 Lifetimes: the host dies with the service (end of the socket; ``PR_SET_PDEATHSIG`` too)
 and every driver dies with its host (``PR_SET_PDEATHSIG``), so nothing outlives the
