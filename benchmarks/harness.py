@@ -59,12 +59,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def service_with_stubs(data_dir: Path, stubs: int = 1, interval: float = 0.001,
-                       env: dict[str, str] | None = None
+                       env: dict[str, str] | None = None, log: Path | None = None
                        ) -> Iterator[tuple[httpx.Client, subprocess.Popen[bytes], list[dict[str, Any]]]]:
     """A service process (real HTTP, real SQLite) with ``stubs`` registered token stubs
     (``token_stub.py``, tokens ``interval`` s apart), all ready. Yields a client, the
     service's process and the stubs' registrations (``id``, ``url``, worker ``token``);
-    everything is stopped afterwards."""
+    everything is stopped afterwards. ``log``: where the service's output goes (else nowhere)."""
     procs: list[subprocess.Popen[bytes]] = []
     port = free_port()
     full_env = {**os.environ, "DECODEBENCH_DATA_DIR": str(data_dir), "DECODEBENCH_PORT": str(port),
@@ -73,9 +73,12 @@ def service_with_stubs(data_dir: Path, stubs: int = 1, interval: float = 0.001,
                 **(env or {})}
     base = f"http://127.0.0.1:{port}"
     try:
+        out = log.open("ab") if log is not None else subprocess.DEVNULL
         service = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=full_env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
+        if log is not None:
+            out.close()  # the service has its own copy
         procs.append(service)
         wait_http(f"{base}/healthz", service)
         with httpx.Client(base_url=base, headers=AUTH, timeout=60) as client:

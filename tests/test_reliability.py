@@ -304,7 +304,7 @@ def test_cancel_stops_the_driver_and_keeps_its_samples(stub_service: Any) -> Non
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_no_driver_outlives_the_service(tmp_path: Path, how: str) -> None:
-    # With the warm driver host on (off by default): neither it nor a driver outlives the service.
+    # With the warm driver host on (the default): neither it nor a driver outlives the service.
     service = ServiceProcess(tmp_path / "var", {"STUB_TOKEN_INTERVAL_S": "0.05",
                                                 "DECODEBENCH_WARM_DRIVERS": "1"})
     service.start()

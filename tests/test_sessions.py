@@ -21,7 +21,7 @@ from tests.service_process import driver_pids, host_pids
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    """A service with the warm driver host on (off by default), so it is checked too."""
+    """A service with the warm driver host on (the default), said here since it is checked."""
     with make_client(tmp_path, warm_drivers=True) as c:
         yield c
 

@@ -196,7 +196,10 @@ class Scheduler:
         await self._reap_dead_workers()
         queued: list[QueuedRow] = []
         specs: dict[str, RunSpec] = {}
+        in_sweep: set[str] = set()
         for run in await asyncio.to_thread(store.queued, self.engine, limit=PLACE_AHEAD):
+            if run.sweep_id is not None:
+                in_sweep.add(run.id)
             if run.id in self._tasks:
                 continue  # placed already; its task has not moved it on yet
             try:
@@ -215,6 +218,7 @@ class Scheduler:
             placement = self.fleet.reserve(decision)
             run_id = decision.run_id
             runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement)
+            runner.in_sweep = run_id in in_sweep
             self._runners[run_id] = runner
             task = asyncio.create_task(self._execute_placed(runner), name=f"runner-{run_id}")
             self._tasks[run_id] = task
@@ -255,11 +259,13 @@ class Scheduler:
             await self.fleet.release_evicted(run_id, runner.placement)
             used = [h for h in (runner.placement.reuse, runner.handle) if h is not None]
             self.fleet.release(run_id, used)
-            await asyncio.to_thread(ensure_ended, self.engine, run_id)
-            try:
-                await asyncio.to_thread(follow_up, self.engine, run_id)
-            except Exception:
-                log.exception("run %s: its sweep's until_decided rule failed", run_id)
+            if not runner.end_written:
+                await asyncio.to_thread(ensure_ended, self.engine, run_id)
+            if runner.in_sweep:  # only a sweep's run may have pairs to queue after it
+                try:
+                    await asyncio.to_thread(follow_up, self.engine, run_id)
+                except Exception:
+                    log.exception("run %s: its sweep's until_decided rule failed", run_id)
         finally:
             self._runners.pop(run_id, None)
             self._tasks.pop(run_id, None)

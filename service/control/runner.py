@@ -42,14 +42,13 @@ from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
 from service.control.vllm_cli import local_model_config
 from service.control.watchdog import Watchdog
-from service.core.ids import utcnow
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import RunStatus
 from service.load.shards import DriverError
 from service.settings import Settings
-from service.storage import measurements, store, workers
+from service.storage import measurements, store
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +80,20 @@ class Runner:
         self.fleet = fleet
         self.run_id = run_id
         self.spec = spec
+        # Set by the queue: a run of a sweep (whose until_decided rule may follow it up).
+        self.in_sweep = False
         self.placement = placement
         # Messages to the runner (see ``cancel`` and ``reported``).
         self._cancel_asked = asyncio.Event()
         self._report_came = asyncio.Event()
         # Set once the run has ended (its end state written, or given back to the queue).
         self.ended = asyncio.Event()
+        # True once ``_end`` has moved the run to its final status: nothing left to check.
+        self.end_written = False
         self.samples: list[Sample] = []
         self._saved = 0
+        # The progress counts (completed, failed) last saved; None: none yet.
+        self._saved_counts: tuple[int, int] | None = None
         # The worker's /metrics during the run, ``t`` on the samples' clock (perf_counter).
         self.points: list[Point] = []
         self._saved_points = 0
@@ -123,6 +128,8 @@ class Runner:
             points = self.points[self._saved_points:]
             ok = sum(s.success for s in self.samples)
             failed = len(self.samples) - ok
+            if not new and not points and self._saved_counts == (ok, failed):
+                return  # all of it is in the database already
 
             def save() -> None:
                 if new:
@@ -134,6 +141,7 @@ class Runner:
             await asyncio.to_thread(save)
             self._saved += len(new)
             self._saved_points += len(points)
+            self._saved_counts = (ok, failed)
 
     async def _persist_every(self) -> None:
         while True:
@@ -204,29 +212,28 @@ class Runner:
 
     async def _run(self) -> None:
         handle = self.handle = await self._server()
-        await asyncio.to_thread(workers.count_worker_run, self.engine, handle.id)
-        # The worker id goes in before the first request: the connector's
-        # pull is only answered for runs assigned to the asking worker.
-        await asyncio.to_thread(store.update_fields, self.engine, self.run_id, worker_id=handle.id,
-                                cpu_binding=handle.cpu_binding)
-        await asyncio.to_thread(
-            store.snapshot_provenance, self.engine, self.run_id, handle.id,
-            effective_load_format(self.spec.model, self.spec.engine.load_format), handle.kv_tokens,
-            provenance.service_facts())
         spec = self.spec
         batch = asked_concurrency(spec.max_concurrency, spec.prompt_budget(), spec.request_rate)
         reason = infeasible(batch or 1, spec.longest_request_tokens(), handle.kv_tokens)
+        load_format = effective_load_format(spec.model, spec.engine.load_format)
+        facts = provenance.service_facts()
+
+        # One transaction: the server and the provenance recorded, and the move to running.
+        began = await asyncio.to_thread(
+            store.begin_measuring, self.engine, self.run_id, handle.id, handle.cpu_binding, load_format,
+            handle.kv_tokens, facts, go=reason is None)
         if reason is not None:
             raise RunFailed(reason)
-        if not await asyncio.to_thread(store.transition, self.engine, self.run_id, RunStatus.running,
-                                       started_at=utcnow()):
+        if not began:
             return
         duration, sent, rule = await self._measure(handle)
         # Every answered request saved now: the waits below (the connector's account, the
         # summary) take seconds, during which progress must be right and a crash lose nothing.
         await self.persist()
-        # The interval over every answered request (the rule was checked on fewer).
-        interval = await asyncio.to_thread(itl_interval, list(self.samples), spec)
+        # The interval over every answered request (the rule was checked on fewer), and,
+        # off the event loop, the summary (a big run's takes seconds of CPU): one trip.
+        interval, summary = await asyncio.to_thread(
+            lambda: (itl_interval(list(self.samples), spec), self._summary(duration)))
         if rule is None:
             rule = MAX_PROMPTS if spec.stop is not None else NUM_PROMPTS
         self.stopped_by = stop_record(rule, spec, sent, interval)
@@ -238,8 +245,6 @@ class Runner:
             raise WorkerError(f"vLLM server exited during the run{handle.ended_why()}; "
                               f"last log lines:\n{tail}")
         samples = self.samples
-        # Off the event loop: a big run's summary takes seconds of CPU.
-        summary = await asyncio.to_thread(self._summary, duration)
         ok = [s for s in samples if s.success]
         if len(ok) < len(samples) and not await self.fleet.healthy(handle):
             # A server that stopped answering is not reused: the next run gets a new one.
@@ -405,9 +410,13 @@ class Runner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.to_thread(meter.stop)
-            with contextlib.suppress(Exception):  # a record, never a reason to fail the run
-                await asyncio.to_thread(store.record_drivers, self.engine, self.run_id, drivers.placement)
+
+            def wind_up() -> None:
+                meter.stop()
+                with contextlib.suppress(Exception):  # a record, never a reason to fail the run
+                    store.record_drivers(self.engine, self.run_id, drivers.placement)
+
+            await asyncio.to_thread(wind_up)
 
     async def _end(self, status: RunStatus | None, error: str | None, **fields: object) -> None:
         """The one way out: save what is left of the samples and write the end state
@@ -424,8 +433,8 @@ class Runner:
                 await self.persist()
                 if status is not None:
                     extra = {"error": error} if error else {}
-                    await asyncio.to_thread(store.transition, self.engine, self.run_id, status,
-                                            **counts, **extra, **fields)
+                    self.end_written = await asyncio.to_thread(
+                        store.transition, self.engine, self.run_id, status, **counts, **extra, **fields)
                 return
             except Exception:
                 log.exception("run %s: writing its end state failed (try %d of %d)",

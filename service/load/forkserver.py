@@ -12,10 +12,11 @@ host -> service
     when a driver it forked has ended (``c`` as ``asyncio`` gives a return code: the
     exit status, or ``-signal``).
 service -> host
-    ``{"fork": n}`` with three file descriptors (SCM_RIGHTS): the driver's stdin, stdout
-    and stderr. The child puts them on 0, 1 and 2 and runs ``service.load.driver.main``,
-    so it speaks the driver's pipe protocol exactly as ``python -m service.load.driver``
-    does. Closing its end of the socket (or dying) ends the host.
+    ``{"fork": n}`` with three file descriptors (SCM_RIGHTS): the driver's stdin and
+    stdout (each the far end of a socket pair) and stderr. The child puts them on 0, 1
+    and 2 and runs ``service.load.driver.main``, so it speaks the driver's line protocol
+    exactly as ``python -m service.load.driver`` does. Closing its end of the socket (or
+    dying) ends the host.
 
 Lifetimes: the host dies with the service (end of the socket; ``PR_SET_PDEATHSIG`` too)
 and every driver dies with its host (``PR_SET_PDEATHSIG``), so nothing outlives the
@@ -41,7 +42,7 @@ import socket
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn
+from typing import Any, NoReturn
 
 # What a driver needs, imported once here so that no fork pays for it: the driver and its
 # generator (aiohttp, numpy, pydantic), and what they import only when first used.
@@ -85,7 +86,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _become_driver(stdio: list[int], inherited: list[int], host: int) -> NoReturn:
-    """In a child just forked: take the service's pipes and log as 0, 1, 2, shed the
+    """In a child just forked: take the service's sockets and log as 0, 1, 2, shed the
     host's own descriptors and signal set-up, and run the driver; never return."""
     code = 1
     try:
@@ -200,7 +201,7 @@ def main() -> None:
 
 
 class HostedDriver:
-    """A driver forked by the host, as ``Drivers`` uses a process: its pipes, its pid,
+    """A driver forked by the host, as ``Drivers`` uses a process: its streams, its pid,
     signals, and its exit code (reported by the host, which is its parent)."""
 
     def __init__(self, pid: int, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader,
@@ -209,7 +210,7 @@ class HostedDriver:
         self.stdin: asyncio.StreamWriter | None = stdin
         self.stdout: asyncio.StreamReader | None = stdout
         self._exited = exited
-        # Once it has ended nobody reads its stdin: let the pipe go.
+        # Once it has ended nobody reads its stdin: let it go.
         exited.add_done_callback(lambda _: stdin.close())
 
     @property
@@ -238,12 +239,34 @@ class HostedDriver:
         self.send_signal(signal.SIGKILL)
 
 
-async def _pipe_streams(stdin: BinaryIO, stdout: BinaryIO,
-                        limit: int) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
+class _EndingReader(asyncio.StreamReaderProtocol):
+    """A driver's stdout: the transport closes once the driver's end has closed. A socket's
+    transport would otherwise stay half open (``StreamReaderProtocol`` asks for that),
+    its descriptor held until the collector frees it."""
+
+    def eof_received(self) -> bool:
+        super().eof_received()
+        return False
+
+
+class _StdinProtocol(asyncio.streams.FlowControlMixin):
+    """A driver's stdin: written to, flow-controlled; it closes once the driver has gone."""
+
+
+async def _streams(ours: list[socket.socket],
+                   limit: int) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
+    """Streams over the service's ends of a driver's stdin and stdout (``ours``, in that
+    order). Each socket is popped from ``ours`` as it is handed to the loop: from then on
+    its transport closes it, even when making the transport fails or is cancelled, so
+    whatever is left in ``ours`` is the caller's to close."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=limit)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), stdout)
-    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, stdin)
+    read_transport, _ = await loop.create_unix_connection(lambda: _EndingReader(reader), sock=ours.pop())
+    try:
+        transport, protocol = await loop.create_unix_connection(_StdinProtocol, sock=ours.pop())
+    except BaseException:
+        read_transport.close()
+        raise
     return asyncio.StreamWriter(transport, protocol, None, loop), reader
 
 
@@ -385,12 +408,16 @@ class DriverHost:
             raise HostLost(f"the driver host did not start: {e!r}") from e
         if self._lost is not None or self._sock is None:
             raise HostLost(f"the driver host is gone: {self._lost}")
-        stdin_r, stdin_w = os.pipe()
-        stdout_r, stdout_w = os.pipe()
-        # Our ends, as files: the pipe transports close them once done with them.
-        to_driver, from_driver = os.fdopen(stdin_w, "wb", 0), os.fdopen(stdout_r, "rb", 0)
-        # Its ends go to the host, which has its own copies once they are sent.
-        theirs = [stdin_r, stdout_w]
+        # Socket pairs, not pipes. A pipe handed to the loop as a file object is closed
+        # twice under uvloop (by libuv, then by the file object), and a read pipe's
+        # transport there stays open after the end of the stream until the collector frees
+        # it: each second close hits whatever took the number in between, in any thread.
+        # A transport made from a socket closes it exactly once on either loop.
+        to_driver, stdin = socket.socketpair()
+        from_driver, stdout = socket.socketpair()
+        ours = [to_driver, from_driver]
+        # Their ends go to the host, which has its own copies once they are sent.
+        theirs = [stdin.detach(), stdout.detach()]
         try:
             theirs.append(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
             request = next(self._requests)
@@ -406,14 +433,14 @@ class DriverHost:
                     os.close(fd)
                 theirs.clear()
             pid, exited = await forked
-            stdin, stdout = await _pipe_streams(to_driver, from_driver, limit)
+            stdin_writer, stdout_reader = await _streams(ours, limit)
         except BaseException:
             for fd in theirs:
                 os.close(fd)
-            to_driver.close()
-            from_driver.close()
+            for sock in ours:
+                sock.close()
             raise
-        return HostedDriver(pid, stdin, stdout, exited)
+        return HostedDriver(pid, stdin_writer, stdout_reader, exited)
 
     async def close(self) -> None:
         """End the host (the drivers it still has end with it) and wait for it."""

@@ -228,7 +228,8 @@ def record_pull(engine: Engine, run_id: str) -> None:
 def record_report(
     engine: Engine, worker_id: str, source: str, runs: dict[str, dict[str, float | str]]
 ) -> int:
-    """Store a connector's cumulative counters for the runs this worker served; return how many."""
+    """Store a connector's cumulative counters for the runs this worker served; return how
+    many changed (counters a side sent before, unchanged, are not written again)."""
     stored = 0
     with write_session(engine) as session:
         for run_id, counters in runs.items():
@@ -237,6 +238,8 @@ def record_report(
                 continue  # not this worker's run: ignored, never trusted
             report = dict(run.connector or {})
             ranks = dict(report.get("ranks", {}))
+            if ranks.get(source) == counters:
+                continue
             ranks[source] = counters
             report["ranks"] = ranks
             # When each side last reported: the runner waits for reports newer than a run's end.
@@ -283,6 +286,36 @@ def snapshot_provenance(engine: Engine, run_id: str, worker_id: str, load_format
         run.provenance = provenance.snapshot(worker, run.spec, load_format, kv_tokens, facts)
         session.add(run)
         return run.provenance
+
+
+def begin_measuring(engine: Engine, run_id: str, worker_id: str, cpu_binding: dict[str, Any] | None,
+                    load_format: str, kv_tokens: int | None, facts: Mapping[str, Any], *,
+                    go: bool) -> bool:
+    """A placed run is about to send its first request, in one transaction: its server
+    counts one more run served, the run records the server (``worker_id``: the connector's
+    pull is only answered for a run assigned to the asking worker) and its provenance
+    (see ``snapshot_provenance``); with ``go``, it moves to ``running`` (guarded) now.
+    True if it did."""
+    with write_session(engine) as session:
+        session.exec(update(Worker).where(col(Worker.id) == worker_id)
+                     .values(runs_served=col(Worker.runs_served) + 1))
+        run = session.get(Run, run_id)
+        if run is None:
+            return False
+        run.worker_id = worker_id
+        run.cpu_binding = cpu_binding
+        worker = worker_facts(session.get(Worker, worker_id))
+        run.provenance = provenance.snapshot(worker, run.spec, load_format, kv_tokens, facts)
+        session.add(run)
+        session.flush()
+        if not go:
+            return False
+        sources = [s.value for s in sources_of(RunStatus.running)]
+        result = session.exec(
+            update(Run).where(col(Run.id) == run_id, col(Run.status).in_(sources))
+            .values(status=RunStatus.running.value, started_at=utcnow())
+        )
+        return bool(result.rowcount == 1)
 
 
 def record_drivers(engine: Engine, run_id: str, placement: list[dict[str, Any]]) -> None:

@@ -52,15 +52,6 @@ def update_worker(engine: Engine, worker_id: str, **fields: Any) -> bool:
         return bool(result.rowcount == 1)
 
 
-def count_worker_run(engine: Engine, worker_id: str) -> None:
-    """Count one more run served by a worker."""
-    with Session(engine) as session:
-        session.exec(
-            update(Worker).where(col(Worker.id) == worker_id).values(runs_served=col(Worker.runs_served) + 1)
-        )
-        session.commit()
-
-
 def take_back_registered(engine: Engine) -> list[Worker]:
     """On start: every registered server not removed, now ``unavailable`` until a probe passes."""
     with write_session(engine) as session:
