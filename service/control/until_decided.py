@@ -22,6 +22,10 @@ def follow_up(engine: Engine, run_id: str) -> int:
     run = store.get_run(engine, run_id)
     if run.sweep_id is None:
         return 0
+    # The sweep alone first: most sweeps have no rule, and their runs are many.
+    row = sweeps.sweep_row(engine, run.sweep_id)
+    if row is None or sweep_rule(row.options, int(row.base.get("repeats", 1))) is None:
+        return 0
     sweep, runs = sweeps.get_sweep(engine, run.sweep_id)
     rule = sweep_rule(sweep.options, int(sweep.base.get("repeats", 1)))
     if rule is None:

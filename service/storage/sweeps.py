@@ -147,6 +147,12 @@ def get_sweep(engine: Engine, sweep_id: str) -> tuple[Sweep, list[Run]]:
         return sweep, list(runs)
 
 
+def sweep_row(engine: Engine, sweep_id: str) -> Sweep | None:
+    """A sweep without its runs (its base, grid and options), or None."""
+    with Session(engine) as session:
+        return session.get(Sweep, sweep_id)
+
+
 def list_sweeps(engine: Engine, limit: int) -> list[tuple[Sweep, dict[str, int]]]:
     """The newest sweeps with counts of their runs by status."""
     with Session(engine) as session:
