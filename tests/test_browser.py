@@ -243,7 +243,9 @@ def test_compare_page_shows_verdicts(pages: dict[str, str], tmp_path: Path) -> N
     table = dom.split('id="compare"')[1].split("</table>")[0]
     verdicts = re.findall(r"(different at 95%|not distinguishable at 95%|no interval)", table)
     assert len(verdicts) == 11
-    assert "Welch t over trials" in table
+    # The two groups are the fill and the prefill arm of one point, run as pairs: the
+    # interval is the paired one, over the trials' pairs.
+    assert "paired t over pairs" in table
 
 
 def test_run_page_header_shows_the_parameters_and_times(pages: dict[str, str], browser: Browser) -> None:
