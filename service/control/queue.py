@@ -217,8 +217,8 @@ class Scheduler:
                 continue
             placement = self.fleet.reserve(decision)
             run_id = decision.run_id
-            runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement)
-            runner.in_sweep = run_id in in_sweep
+            runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement,
+                            in_sweep=run_id in in_sweep)
             self._runners[run_id] = runner
             task = asyncio.create_task(self._execute_placed(runner), name=f"runner-{run_id}")
             self._tasks[run_id] = task

@@ -74,14 +74,14 @@ class Runner:
     """Owns one placed run until it is succeeded, failed or cancelled."""
 
     def __init__(self, settings: Settings, engine: Engine, fleet: Fleet, run_id: str, spec: RunSpec,
-                 placement: Placement) -> None:
+                 placement: Placement, in_sweep: bool = False) -> None:
         self.settings = settings
         self.engine = engine
         self.fleet = fleet
         self.run_id = run_id
         self.spec = spec
-        # Set by the queue: a run of a sweep (whose until_decided rule may follow it up).
-        self.in_sweep = False
+        # A run of a sweep (whose until_decided rule may follow it up when it ends).
+        self.in_sweep = in_sweep
         self.placement = placement
         # Messages to the runner (see ``cancel`` and ``reported``).
         self._cancel_asked = asyncio.Event()

@@ -23,13 +23,11 @@ def follow_up(engine: Engine, run_id: str) -> int:
     if run.sweep_id is None:
         return 0
     # The sweep alone first: most sweeps have no rule, and their runs are many.
-    row = sweeps.sweep_row(engine, run.sweep_id)
-    if row is None or sweep_rule(row.options, int(row.base.get("repeats", 1))) is None:
+    sweep = sweeps.sweep_row(engine, run.sweep_id)
+    rule = None if sweep is None else sweep_rule(sweep.options, int(sweep.base.get("repeats", 1)))
+    if sweep is None or rule is None:
         return 0
-    sweep, runs = sweeps.get_sweep(engine, run.sweep_id)
-    rule = sweep_rule(sweep.options, int(sweep.base.get("repeats", 1)))
-    if rule is None:
-        return 0
+    _, runs = sweeps.get_sweep(engine, run.sweep_id)
     keys = [k for k in sweep.grid if k != "mode"]
     mine = {k: spec_value(run.spec, k) for k in keys}
     same = [r for r in runs if all(spec_value(r.spec, k) == v for k, v in mine.items())]
