@@ -236,23 +236,21 @@ def export_run(
                           metric_percentiles or VLLM_DEFAULT_PERCENTILES)
         info["metadata"]["decodebench"]["decode"] = {
             k: v for k, v in run.summary.items() if k.startswith("decode_")}
-    lists: dict[str, object] = {key: _Streamed(key) for key, _ in VLLM_REQUEST_LISTS}
-    result = vllm_result(run.summary, info, lists, measurements.count_samples(engine, run_id), stats)
-    if not detailed:
-        for key in VLLM_DETAILED_LISTS:
-            result.pop(key, None)
+    result = run_result(engine, run, detailed, info, stats)
     return StreamingResponse(_vllm_json(engine, run_id, result), media_type="application/json",
                              headers={"Content-Disposition": f'attachment; filename="{name}.json"'})
 
 
-def run_result(engine: Engine, run: Run, detailed: bool = True) -> dict[str, object]:
+def run_result(engine: Engine, run: Run, detailed: bool = True, info: dict[str, Any] | None = None,
+               stats: dict[str, float] | None = None) -> dict[str, object]:
     """A run's vLLM result (it has a summary) with its per-request lists standing in for
     what ``result_pieces`` writes; without ``detailed``, as vLLM writes it without
-    ``--save-detailed``."""
+    ``--save-detailed``. ``info``: what ``vllm_result`` is told (default ``_vllm_info``);
+    ``stats``: the latency statistics chosen (default every one of the summary)."""
     assert run.summary is not None
     lists = {key: _Streamed(key) for key, _ in VLLM_REQUEST_LISTS}
-    result = vllm_result(run.summary, _vllm_info(engine, run), lists,
-                         measurements.count_samples(engine, run.id))
+    result = vllm_result(run.summary, info or _vllm_info(engine, run), lists,
+                         measurements.count_samples(engine, run.id), stats)
     return result if detailed else {k: v for k, v in result.items() if k not in VLLM_DETAILED_LISTS}
 
 
