@@ -54,6 +54,9 @@ class Reporter:
         self._notes: dict[str, str] = {}
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
+        # One flush at a time: close() flushes from the engine's thread while the report
+        # thread may be mid-post, and two flushes would both send a provenance not yet cleared.
+        self._flushing = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -149,6 +152,10 @@ class Reporter:
         changed; True if nothing is left to send."""
         if self.url is None:
             return True
+        with self._flushing:
+            return self._flush()
+
+    def _flush(self) -> bool:
         sent_provenance = self._flush_provenance()
         with self._lock:
             if not self._dirty:

@@ -236,7 +236,7 @@ def test_the_connector_describes_a_real_vllm_config(tmp_path: Path) -> None:
 class ProvenanceSink:
     """A control service that keeps the provenance reports it is sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer_after_s: float = 0.0) -> None:
         self.reports: list[tuple[str, dict[str, Any]]] = []
         sink = self
 
@@ -245,6 +245,7 @@ class ProvenanceSink:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/api/connector/provenance":
                     sink.reports.append((self.headers.get("Authorization", ""), body))
+                    time.sleep(answer_after_s)
                 self.send_response(204)
                 self.end_headers()
 
@@ -259,7 +260,9 @@ class ProvenanceSink:
 def test_the_scheduler_side_sends_its_provenance_once_at_start(tmp_path: Path) -> None:
     from tests import vllm_harness
 
-    sink = ProvenanceSink()
+    # The sink answers late, so the engine shuts the connector down while the report
+    # thread's post is still in flight: the shutdown's flush must not send it again.
+    sink = ProvenanceSink(answer_after_s=0.5)
     try:
         config = vllm_harness.vllm_config(tmp_path, vllm_harness.OURS,
                                           {"control_url": sink.url, "worker_token": TOKEN})
