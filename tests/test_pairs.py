@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from service.core.sweep import SweepCreate
 from service.storage import store, sweeps
 from service.storage.db import make_engine
 from service.web.sweep_view import sweep_public
-from tests.conftest import wait_finished
+from tests.conftest import AUTH, ServedTestClient, make_settings, wait_finished
 
 BASE = {"input_len": 16, "output_len": 6, "num_prompts": 4, "max_concurrency": 2}
 KEYS = ("decode_median_itl_ms", "decode_median_tpot_ms")
@@ -220,6 +222,41 @@ def test_until_decided_queues_pairs_up_to_the_next_look(tmp_path: Path) -> None:
     assert verdict["verdict"] == "matches"
     settled = _paired_sweep(engine, [0.0, 0.001], **extra)
     assert follow_up(engine, sweeps.get_sweep(engine, settled)[1][0].id) == 0
+
+
+def test_looks_taken_at_once_queue_one_look(tmp_path: Path) -> None:
+    # Both runs of a point's last pair end together (two servers): every look at once must
+    # queue the next look's pairs once, not once per look.
+    engine = make_engine(tmp_path / "db.sqlite")
+    wide = _paired_sweep(engine, [0.0, 0.06], until_decided={"max_pairs": 8})
+    ended = sweeps.get_sweep(engine, wide)[1]
+    start = threading.Barrier(len(ended))
+
+    def look(run_id: str) -> int:
+        start.wait()
+        return follow_up(engine, run_id)
+
+    with ThreadPoolExecutor(len(ended)) as pool:
+        queued = list(pool.map(look, [r.id for r in ended]))
+    assert sorted(queued) == [0, 0, 0, 2]
+    runs = sweeps.get_sweep(engine, wide)[1]
+    assert len(runs) == 8 and len({r.pair_id for r in runs}) == 4
+
+
+def test_a_look_missed_while_the_service_was_down_is_taken_at_its_start(tmp_path: Path) -> None:
+    # The last pair of an undecided point ended, then the service stopped before its look.
+    settings = make_settings(tmp_path)
+    settings.data_dir.mkdir(parents=True)
+    engine = make_engine(settings.db_path)
+    undecided = _paired_sweep(engine, [0.0, 0.06], until_decided={"max_pairs": 4})
+    decided = _paired_sweep(engine, [0.0, 0.001], until_decided={"max_pairs": 4})
+    engine.dispose()
+    with ServedTestClient(settings, headers=AUTH) as client:
+        found = client.get(f"/api/sweeps/{undecided}").json()
+        assert len(found["runs"]) == 8  # the look of 2 pairs was taken: 2 more pairs
+        assert len(client.get(f"/api/sweeps/{decided}").json()["runs"]) == 4
+        for r in found["runs"]:
+            client.post(f"/api/runs/{r['id']}/cancel")
 
 
 def _sequential(true_log: float, sd: float, seed: int, per_look: float | None) -> tuple[bool, int]:

@@ -28,7 +28,7 @@ from sqlalchemy import Engine
 from service.control.fleet import Fleet
 from service.control.placement import QueuedRow, place
 from service.control.runner import Runner, ensure_ended
-from service.control.until_decided import follow_up
+from service.control.until_decided import catch_up, follow_up
 from service.core.spec import RunSpec, describe
 from service.core.status import RunStatus
 from service.settings import Settings
@@ -60,13 +60,24 @@ class Scheduler:
         self._waiters: set[asyncio.Future[None]] = set()
 
     async def recover(self) -> None:
-        """Fail runs interrupted by a previous crash, stop its orphaned workers, and take
-        back the registered servers (unavailable until probed)."""
+        """Fail runs interrupted by a previous crash, stop its orphaned workers, take back
+        the registered servers (unavailable until probed) and take the until_decided looks
+        it missed."""
         failed = await asyncio.to_thread(store.fail_interrupted, self.engine)
         orphans = await self.fleet.recover()
         if failed or orphans:
             log.warning("recovered: %d interrupted runs failed, %d orphaned workers stopped",
                         failed, orphans)
+        # The looks of until_decided sweeps whose last pair ended (or was just failed above)
+        # while the service was down.
+        try:
+            pairs = await asyncio.to_thread(catch_up, self.engine)
+        except Exception:
+            log.exception("until_decided: catching up on the looks missed while down failed")
+        else:
+            if pairs:
+                log.warning("recovered: %d pairs queued by until_decided looks missed while down",
+                            pairs)
 
     async def start(self) -> None:
         """Recover, then start the loop and the registered servers' prober as tasks."""

@@ -1,10 +1,17 @@
 """A sweep's ``until_decided`` rule at work: when a point's pairs have all finished, look
 at its fill/prefill verdict at a planned look and queue the pairs up to the next look
-while it is undecided and the budget allows (the rule: ``service.analysis.pairs``)."""
+while it is undecided and the budget allows (the rule: ``service.analysis.pairs``).
+
+Looks are taken one at a time (``_LOOKING``): the two runs of a point's last pair may end
+together on two servers, and two looks at once would both see the point undecided and
+both queue the next look's pairs. A look the service did not take because it stopped
+between a run's end and the look is taken at the next start (``catch_up``).
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from sqlalchemy import Engine
 
@@ -15,10 +22,35 @@ from service.storage import store, sweeps
 
 log = logging.getLogger(__name__)
 
+# The service is one process; this lock orders its looks (see the module docstring).
+_LOOKING = threading.Lock()
+
 
 def follow_up(engine: Engine, run_id: str) -> int:
     """After ``run_id`` ended: queue the next look's pairs of its point when its sweep has
     the rule and the point is undecided at its look. How many pairs were queued."""
+    with _LOOKING:
+        return _follow_up(engine, run_id)
+
+
+def catch_up(engine: Engine) -> int:
+    """Take the looks missed while the service was down: ``follow_up`` once per point of
+    every sweep with the rule (a point with pairs still to run, or decided, queues
+    nothing). How many pairs were queued."""
+    queued = 0
+    for sweep_id in sweeps.ruled_sweep_ids(engine):
+        sweep, runs = sweeps.get_sweep(engine, sweep_id)
+        keys = [k for k in sweep.grid if k != "mode"]
+        seen: set[str] = set()
+        for run in runs:
+            point = repr([spec_value(run.spec, k) for k in keys])
+            if point not in seen:
+                seen.add(point)
+                queued += follow_up(engine, run.id)
+    return queued
+
+
+def _follow_up(engine: Engine, run_id: str) -> int:
     run = store.get_run(engine, run_id)
     if run.sweep_id is None:
         return 0

@@ -153,6 +153,15 @@ def sweep_row(engine: Engine, sweep_id: str) -> Sweep | None:
         return session.get(Sweep, sweep_id)
 
 
+def ruled_sweep_ids(engine: Engine) -> list[str]:
+    """The ids of the sweeps with an ``until_decided`` rule, oldest first."""
+    with Session(engine) as session:
+        rule = func.json_extract(col(Sweep.options), "$.until_decided")
+        found = session.exec(select(Sweep.id).where(rule.is_not(None))
+                             .order_by(col(Sweep.created_at))).all()
+        return list(found)
+
+
 def list_sweeps(engine: Engine, limit: int) -> list[tuple[Sweep, dict[str, int]]]:
     """The newest sweeps with counts of their runs by status."""
     with Session(engine) as session:
