@@ -153,9 +153,9 @@ class Reporter:
         if self.url is None:
             return True
         with self._flushing:
-            return self._flush()
+            return self._flush(self.url)
 
-    def _flush(self) -> bool:
+    def _flush(self, url: str) -> bool:
         sent_provenance = self._flush_provenance()
         with self._lock:
             if not self._dirty:
@@ -167,11 +167,11 @@ class Reporter:
                     runs[run_id]["error"] = self._notes[run_id]
             self._dirty.clear()
         try:
-            self._post(self.url, {"role": self.role, "rank": self.rank, "runs": runs})
+            self._post(url, {"role": self.role, "rank": self.rank, "runs": runs})
             return sent_provenance
         except (urllib.error.URLError, OSError, ValueError) as exc:
             if not self._warned:
-                log.warning("could not report connector counters to %s: %s", self.url, exc)
+                log.warning("could not report connector counters to %s: %s", url, exc)
                 self._warned = True
             with self._lock:
                 self._dirty.update(r for r in runs if r in self._counters)

@@ -100,3 +100,23 @@ def test_the_least_recently_used_idle_worker_is_the_one_evicted(tmp_path: Path,
         assert workers[b["worker_id"]]["status"] == "stopped"
         assert workers[a1["worker_id"]]["status"] == "ready"
         assert workers[c["worker_id"]]["gpus"] == workers[b["worker_id"]]["gpus"]
+
+
+def test_the_runs_of_a_pair_run_back_to_back_on_one_server(four_gpus: TestClient) -> None:
+    # With servers to spare, pairs run side by side, but the two runs of one pair never at
+    # once: the second takes the server the first ran on, right after it.
+    client = four_gpus
+    body = {"base": {**_spec(1), "num_prompts": 2}, "grid": {"mode": ["fill", "prefill"]},
+            "repeats": 3}
+    sweep = client.post("/api/sweeps", json=body).json()
+    runs = [wait_finished(client, r["id"]) for r in sweep["runs"]]
+    assert all(r["status"] == "succeeded" for r in runs)
+    pairs: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        pairs.setdefault(run["pair_id"], []).append(run)
+    assert len(pairs) == 3
+    for first, second in (sorted(p, key=lambda r: r["started_at"]) for p in pairs.values()):
+        assert first["finished_at"] <= second["started_at"]
+        assert first["worker_id"] == second["worker_id"]
+    firsts = [min(p, key=lambda r: r["started_at"]) for p in pairs.values()]
+    assert len({r["worker_id"] for r in firsts}) >= 2  # the pairs themselves side by side

@@ -140,3 +140,32 @@ CASES: list[tuple[str, list[QueuedRow], list[WorkerRow], list[tuple[str, list[st
 def test_place(queued: list[QueuedRow], workers: list[WorkerRow], starting: list[tuple[str, list[str]]],
                gpus: str, expected: list[Decision]) -> None:
     assert place(queued, workers, starting, gpus.split(",") if gpus else []) == expected
+
+
+def pq(id: str, pair: str) -> QueuedRow:
+    return QueuedRow(id=id, key=A, pair_id=pair)
+
+
+PAIR_CASES: list[tuple[str, list[QueuedRow], list[WorkerRow], set[str], dict[str, str],
+                       list[Decision]]] = [
+    # name, queued, workers, busy pairs, the server a pair's ended run ran on, expected
+    ("gpus: a pair's second run waits for its first; the next pair goes past it",
+     [pq("r1", "p1"), pq("r2", "p1"), pq("r3", "p2"), pq("r4", "p2")], [], set(), {},
+     [Decision("r1", A, gpus=("0",)), Decision("r3", A, gpus=("1",))]),
+    ("gpus: a run whose partner is running waits, though a server is idle",
+     [pq("r2", "p1"), pq("r3", "p2")], [w("w1", A, gpus="0", busy=True), w("w2", A, gpus="1")],
+     {"p1"}, {}, [Decision("r3", A, reuse="w2")]),
+    ("gpus: a run takes the server its partner ran on",
+     [pq("r2", "p1")], [w("w1", A, gpus="0"), w("w2", A, gpus="1")], set(), {"p1": "w2"},
+     [Decision("r2", A, reuse="w2")]),
+    ("gpus: another idle server when the partner's is busy",
+     [pq("r2", "p1")], [w("w1", A, gpus="0"), w("w2", A, gpus="1", busy=True)], set(), {"p1": "w2"},
+     [Decision("r2", A, reuse="w1")]),
+]
+
+
+@pytest.mark.parametrize(("queued", "workers", "busy", "servers", "expected"),
+                         [c[1:] for c in PAIR_CASES], ids=[c[0] for c in PAIR_CASES])
+def test_place_pairs(queued: list[QueuedRow], workers: list[WorkerRow], busy: set[str],
+                     servers: dict[str, str], expected: list[Decision]) -> None:
+    assert place(queued, workers, [], ["0", "1"], busy_pairs=busy, pair_servers=servers) == expected

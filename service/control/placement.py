@@ -19,12 +19,16 @@ time, so that runs never disturb each other. Rules, oldest queued run first:
 - a run that waits for registered servers only holds nothing of this machine's, so
   later runs of other kinds go past it; any other run that must wait stops the pass
   (first come, first served);
-- a run needing more GPUs than the service may use fails at once.
+- a run needing more GPUs than the service may use fails at once;
+- the two runs of a fill/prefill pair run back to back, never at once: a run whose pair
+  has a run placed already waits (holding nothing, so later runs go past it), and then
+  takes the server its partner ran on when that one is idle, so that the pair's ratio
+  compares the two modes on one server, not two servers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 
@@ -50,6 +54,7 @@ class QueuedRow:
     id: str
     key: str
     tensor_parallel_size: int = 1
+    pair_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,13 +81,20 @@ def place(
     workers: Sequence[WorkerRow],
     starting: Sequence[tuple[str, Sequence[str]]],
     gpus: Sequence[str],
+    busy_pairs: Collection[str] = (),
+    pair_servers: Mapping[str, str] | None = None,
 ) -> list[Decision]:
     """The decisions for this pass. ``starting``: (kind, GPUs) of runs placed earlier
     whose new worker is not up yet; ``gpus``: the GPUs the service may use (empty on a
-    CPU machine)."""
+    CPU machine); ``busy_pairs``: the pairs with a run placed and not ended;
+    ``pair_servers``: the server a pair's ended run ran on."""
     state = _State({w.id: w for w in workers}, [(k, tuple(g)) for k, g in starting])
+    busy = set(busy_pairs)
     out: list[Decision] = []
     for run in queued:
+        if run.pair_id is not None and run.pair_id in busy:
+            continue  # its partner runs: it waits, holding nothing
+
         if gpus and run.tensor_parallel_size > len(gpus):
             out.append(Decision(
                 run.id, run.key,
@@ -90,11 +102,14 @@ def place(
                 f"service may use ({len(gpus)}: {','.join(gpus)})",
             ))
             continue
-        decision = _place_one(run, state, gpus)
+        partner = (pair_servers or {}).get(run.pair_id) if run.pair_id else None
+        decision = _place_one(run, state, gpus, partner)
         if decision is None:
             if _waits_on_registered(run, state):
                 continue
             break
+        if run.pair_id is not None:
+            busy.add(run.pair_id)
         out.append(decision)
     return out
 
@@ -105,12 +120,13 @@ def _waits_on_registered(run: QueuedRow, state: _State) -> bool:
     return bool(same) and all(w.external for w in same) and not starting
 
 
-def _place_one(run: QueuedRow, state: _State, gpus: Sequence[str]) -> Decision | None:
+def _place_one(run: QueuedRow, state: _State, gpus: Sequence[str],
+               partner: str | None = None) -> Decision | None:
     live = [w for w in state.workers.values() if not w.stopping]
     same = [w for w in live if w.key == run.key]
     idle = [w for w in same if w.ready and not w.busy]
     if idle:
-        chosen = idle[0]
+        chosen = next((w for w in idle if w.id == partner), idle[0])
         state.workers[chosen.id] = replace(chosen, busy=True)
         return Decision(run.id, run.key, reuse=chosen.id)
     # No other server for this kind: on a CPU a kind has one; a kind served by registered

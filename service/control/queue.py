@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # How many queued runs one pass of the loop looks at.
 PLACE_AHEAD = 64
+# How many pairs' servers are remembered for their second run (a pair's runs are queued
+# next to each other, so its partner is placed soon after).
+PAIRS_REMEMBERED = 1024
 SHUTDOWN_WAIT_S = 10.0
 
 
@@ -52,6 +56,10 @@ class Scheduler:
         # The runner of every placed run until it has ended, and its task.
         self._runners: dict[str, Runner] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Pairs (fill/prefill trials run back to back): the pair of each placed run, and the
+        # server the last ended run of a pair ran on, for its partner (newest kept).
+        self._placed_pairs: dict[str, str] = {}
+        self._pair_servers: OrderedDict[str, str] = OrderedDict()
         self.loop_task: asyncio.Task[None] | None = None
         self.probe_task: asyncio.Task[None] | None = None
         self._probe_wakeup = asyncio.Event()
@@ -219,10 +227,14 @@ class Scheduler:
                 # One bad row must not hold up the queue: it fails, the others go on.
                 await self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}")
                 continue
-            queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size))
+            queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size,
+                                    run.pair_id))
+        pair_of = {row.id: row.pair_id for row in queued if row.pair_id}
         workers, starting = self.fleet.rows()
         failed: list[tuple[str, str]] = []
-        for decision in place(queued, workers, starting, self.fleet.gpu_ids()):
+        decisions = place(queued, workers, starting, self.fleet.gpu_ids(),
+                          busy_pairs=set(self._placed_pairs.values()), pair_servers=self._pair_servers)
+        for decision in decisions:
             if decision.fail is not None:
                 failed.append((decision.run_id, decision.fail))
                 continue
@@ -231,6 +243,8 @@ class Scheduler:
             runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement,
                             in_sweep=run_id in in_sweep)
             self._runners[run_id] = runner
+            if run_id in pair_of:
+                self._placed_pairs[run_id] = pair_of[run_id]
             task = asyncio.create_task(self._execute_placed(runner), name=f"runner-{run_id}")
             self._tasks[run_id] = task
             # A task cancelled before its first step never runs its body (nor its
@@ -270,6 +284,11 @@ class Scheduler:
             await self.fleet.release_evicted(run_id, runner.placement)
             used = [h for h in (runner.placement.reuse, runner.handle) if h is not None]
             self.fleet.release(run_id, used)
+            pair = self._placed_pairs.pop(run_id, None)
+            if pair is not None and used:
+                self._pair_servers[pair] = used[-1].id
+                while len(self._pair_servers) > PAIRS_REMEMBERED:
+                    self._pair_servers.popitem(last=False)
             if not runner.end_written:
                 await asyncio.to_thread(ensure_ended, self.engine, run_id)
             if runner.in_sweep:  # only a sweep's run may have pairs to queue after it
