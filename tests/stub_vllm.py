@@ -8,7 +8,8 @@ the real vLLM server is used where the connector and the metrics are.
 Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers;
 ``inf`` never), ``STUB_EXIT_AT_START`` (exit code, before serving),
 ``STUB_CRASH_AFTER`` (the process dies in the middle of that request's stream),
-``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, /health hangs too,
+``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, and every stream after
+that at once, a stuck engine; /health hangs too,
 unless ``STUB_HANG_HEALTHY`` is set: then it answers, as a stuck engine's API server does),
 ``STUB_FIRST_TOKEN_S`` (each stream is silent this long before its first token, a prefill),
 ``STUB_REFUSE_REQUESTS`` (every completion is answered 400 with this message, as vLLM
@@ -255,7 +256,8 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                     if crash_after and number >= crash_after and i == n_out // 2:
                         print("stub: crashing mid-stream as told", flush=True)
                         os._exit(17)
-                    if hang_after and i >= hang_after:
+                    # Once hung, the engine is stuck: every stream stops, new ones too.
+                    if hang_after and (i >= hang_after or state["hung"]):
                         state["hung"] = True
                         print("stub: hanging as told", flush=True)
                         await asyncio.sleep(3600)

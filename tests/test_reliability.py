@@ -91,6 +91,35 @@ def test_worker_that_hangs_with_a_live_health_fails_within_the_stall_limit(
     assert again["status"] == "succeeded" and again["worker_id"] != done["worker_id"]
 
 
+def test_a_run_cancelled_on_a_hung_server_leaves_that_server_out(
+        stub_service: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A user cancels because the server hung, before the stall limit could tell: /health
+    # still answers, but the server must not take the next run (it would hang that too).
+    client = stub_service({"STUB_HANG_AFTER_TOKENS": "3", "STUB_HANG_HEALTHY": "1"}, stall_s=6)
+    run = client.post("/api/runs", json=SMALL).json()
+    hung = wait_for(client, run["id"], lambda r: r["status"] == "running")["worker_id"]
+    url = client.get(f"/api/workers/{hung}").json()["url"]
+    deadline = time.monotonic() + 10
+    while not httpx.get(f"{url}/stub/requests").json()["hung"]:
+        assert time.monotonic() < deadline, "the stub never hung"
+        time.sleep(0.05)
+    started = time.monotonic()
+    assert client.post(f"/api/runs/{run['id']}/cancel").json()["status"] == "cancelled"
+    assert time.monotonic() - started < 3  # the answer does not wait for the check
+    monkeypatch.delenv("STUB_HANG_AFTER_TOKENS")
+    again = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    assert again["status"] == "succeeded", again["error"]
+    assert again["worker_id"] != hung
+    worker = client.get(f"/api/workers/{hung}").json()
+    assert worker["status"] == "failed" and "after run" in worker["error"], worker
+    # A cancel on a server that still serves keeps it for the next run.
+    cancelled = client.post("/api/runs", json={**SLOW_RUN, "num_prompts": 40}).json()
+    wait_for(client, cancelled["id"], lambda r: r["progress"]["completed"] >= 1)
+    client.post(f"/api/runs/{cancelled['id']}/cancel")
+    last = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
+    assert last["status"] == "succeeded" and last["worker_id"] == again["worker_id"]
+
+
 def test_a_long_silent_prefill_is_not_a_hang(stub_service: Any) -> None:
     # Every stream is silent 1.5 s before its first token, three times the stall floor:
     # a real prefill of 2,000 tokens is allowed 2 s before the first token, and three

@@ -160,9 +160,10 @@ class Scheduler:
         self._on_loop(self._wakeup.set)
 
     def cancel(self, run_id: str) -> Future[bool]:
-        """Ask the run's runner to cancel it. The future says, once the runner has ended,
-        True; or False at once when no runner has the run (it is queued, or over). From
-        any thread; call it again after a False if the run may have been placed since."""
+        """Ask the run's runner to cancel it. The future says True once the runner has
+        written the run's end; or False at once when no runner has the run (it is queued,
+        or over). From any thread; call it again after a False if the run may have been
+        placed since."""
         answer: Future[bool] = Future()
 
         def cancel() -> None:
@@ -173,7 +174,7 @@ class Scheduler:
             runner.cancel()
 
             async def wait_end() -> None:
-                await runner.ended.wait()
+                await runner.settled.wait()
                 answer.set_result(True)
 
             waiter = asyncio.ensure_future(wait_end())
@@ -299,6 +300,7 @@ class Scheduler:
         finally:
             self._runners.pop(run_id, None)
             self._tasks.pop(run_id, None)
+            runner.settled.set()
             runner.ended.set()
             self.notify()
 

@@ -41,7 +41,7 @@ from service.control.energy import EnergyMeter, energy_warnings
 from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
 from service.control.vllm_cli import local_model_config
-from service.control.watchdog import Watchdog
+from service.control.watchdog import Watchdog, stall_limit, still_serves
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
@@ -86,7 +86,10 @@ class Runner:
         # Messages to the runner (see ``cancel`` and ``reported``).
         self._cancel_asked = asyncio.Event()
         self._report_came = asyncio.Event()
-        # Set once the run has ended (its end state written, or given back to the queue).
+        # Set once the run's end state is written (or it went back to the queue): what a
+        # cancel waits for. ``ended``: once the runner is done with it (after a cancel, the
+        # check that its server still serves comes between the two).
+        self.settled = asyncio.Event()
         self.ended = asyncio.Event()
         # True once ``_end`` has moved the run to its final status: nothing left to check.
         self.end_written = False
@@ -167,6 +170,7 @@ class Runner:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(store.transition, self.engine, self.run_id,
                                             RunStatus.cancelled, error="cancelled by the user")
+            self.settled.set()
             self.ended.set()
 
     async def _run_to_end(self) -> None:
@@ -189,6 +193,8 @@ class Runner:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
                 await self._end(RunStatus.cancelled, "cancelled by the user")
+                self.settled.set()
+                await self._check_server_after_cancel()
                 return
             work.result()
         except asyncio.CancelledError:
@@ -203,6 +209,21 @@ class Runner:
             await self._end(RunStatus.failed, f"internal error: {type(exc).__name__}: {exc}")
         finally:
             cancel.cancel()
+
+    async def _check_server_after_cancel(self) -> None:
+        """A run cancelled once it had its server keeps that server only if it still
+        serves: a user may cancel because it hung, before the watchdog's stall limit, and a
+        stuck engine answers /health. The server stays this run's (busy) meanwhile."""
+        handle, watchdog = self.handle, self.watchdog
+        if handle is None or not handle.alive() or (watchdog is not None and watchdog.finding):
+            return
+        limit = (watchdog.stall_limit() if watchdog is not None
+                 else stall_limit(self.settings, self.spec))
+        if not await still_serves(self.fleet.client, handle, limit):
+            log.warning("run %s: its server %s did not answer a one-token request after the "
+                        "cancel; it takes no more runs", self.run_id, handle.id)
+            await self.fleet.retire(handle, f"hung: no answer to a one-token request within "
+                                            f"{limit:.0f} s after run {self.run_id} was cancelled")
 
     async def _cancelled_before_start(self) -> None:
         """Cancelled while still queued: the guarded move from ``queued`` (the API may

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import math
 
+import httpx
+
 from service.analysis.server_metrics import RUNNING, WAITING, Scraper
 from service.control.fleet import Fleet, LoadDrivers
 from service.control.handles import WorkerError, WorkerHandle
@@ -27,6 +29,32 @@ STALL_TTFT_FACTOR = 3.0
 # 131,072-token prompt gets 131 s. Far below any GPU's; about a 2-core CPU's for a 1B
 # model.
 SLOWEST_PREFILL_TOKENS_S = 1000.0
+
+
+def stall_limit(settings: Settings, spec: RunSpec, longest_ttft: float = 0.0) -> float:
+    """Seconds without a byte on any open stream after which a run's worker has hung:
+    ``stall_s``, or more where a prefill may be that silent (one step of the engine can
+    hold a whole prompt's prefill, and every stream waits for it). That is three times
+    the run's longest time to first token so far; before the first, for a real prefill,
+    its longest prompt at ``SLOWEST_PREFILL_TOKENS_S``."""
+    if longest_ttft > 0:
+        return max(settings.stall_s, STALL_TTFT_FACTOR * longest_ttft)
+    if spec.mode == "prefill":
+        longest = math.floor(spec.input_len * (1 + spec.range_ratio))
+        return max(settings.stall_s, longest / SLOWEST_PREFILL_TOKENS_S)
+    return settings.stall_s
+
+
+async def still_serves(client: httpx.AsyncClient, handle: WorkerHandle, limit: float) -> bool:
+    """Whether the server answers a one-token request within ``limit`` seconds: after a
+    run was cancelled, a stuck engine (which keeps /health up) must not take the next run.
+    Any answer but a server error counts (a refusal is an answer)."""
+    body = {"model": handle.served_model, "prompt": "ok", "max_tokens": 1, "temperature": 0.0}
+    try:
+        response = await client.post(f"{handle.url}/v1/completions", json=body, timeout=limit)
+    except httpx.HTTPError:
+        return False
+    return response.status_code < 500
 
 
 class Watchdog:
@@ -55,17 +83,9 @@ class Watchdog:
             self.longest_ttft = sample.ttft
 
     def stall_limit(self) -> float:
-        """Seconds without a byte on any open stream after which the worker has hung:
-        ``stall_s``, or more where a prefill may be that silent (one step of the engine
-        can hold a whole prompt's prefill, and every stream waits for it). That is
-        three times the run's longest time to first token so far; before the first, for
-        a real prefill, its longest prompt at ``SLOWEST_PREFILL_TOKENS_S``."""
-        if self.longest_ttft > 0:
-            return max(self.settings.stall_s, STALL_TTFT_FACTOR * self.longest_ttft)
-        if self.spec.mode == "prefill":
-            longest = math.floor(self.spec.input_len * (1 + self.spec.range_ratio))
-            return max(self.settings.stall_s, longest / SLOWEST_PREFILL_TOKENS_S)
-        return self.settings.stall_s
+        """Seconds without a byte on any open stream after which the worker has hung (see
+        ``stall_limit``)."""
+        return stall_limit(self.settings, self.spec, self.longest_ttft)
 
     async def _stalled(self) -> WorkerError | None:
         """A ``WorkerError`` when streams are open and none got a byte for ``stall_limit``
