@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from fidelity import service  # noqa: E402
 
-from service.analysis.fill_verdict import state_of  # noqa: E402
+from service.analysis.fill_verdict import by_the_rule  # noqa: E402
 from service.analysis.intervals import CONFIDENCE, ratio_by_requests, ratio_by_trials  # noqa: E402
 from service.analysis.metrics import summary_intervals  # noqa: E402
 from service.analysis.pairs import pair_looks, ratio_by_pairs  # noqa: E402
@@ -210,12 +210,7 @@ def pair_rule(args: argparse.Namespace) -> None:
             held, stops, used = 0, 0, []
             for seed in range(args.draws):
                 d = np.random.default_rng(seed).normal(np.log(true), args.pair_sd, size=16)
-                for count in plan.counts:
-                    r = ratio_by_pairs(np.ones(count), np.exp(d[:count]),
-                                       plan.confidence if per_look is None else per_look)
-                    assert r is not None
-                    if state_of([r.lo, r.hi]) != "undecided":
-                        break
+                r, count = by_the_rule(d, plan, per_look)
                 held += r.lo <= true <= r.hi
                 stops += count < 16
                 used.append(count)

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from scipy import stats
 
-from service.analysis.fill_verdict import state_of
+from service.analysis.fill_verdict import by_the_rule
 from service.analysis.intervals import CONFIDENCE
 from service.analysis.pairs import PAIRED, pair_looks, pairs_needed, ratio_by_pairs
 from service.control.until_decided import follow_up
@@ -260,16 +260,10 @@ def test_a_look_missed_while_the_service_was_down_is_taken_at_its_start(tmp_path
 
 
 def _sequential(true_log: float, sd: float, seed: int, per_look: float | None) -> tuple[bool, int]:
-    """One point under the rule: pairs drawn, looks at the planned counts, stop when
+    """One point under the rule: 16 pairs drawn, looks at the planned counts, stop when
     decided; whether the final interval holds the true ratio, and the pairs used."""
-    plan = pair_looks(2, 16)
     d = np.random.default_rng(seed).normal(true_log, sd, size=16)
-    for count in plan.counts:
-        found = ratio_by_pairs(np.ones(count), np.exp(d[:count]),
-                               plan.confidence if per_look is None else per_look)
-        assert found is not None
-        if state_of([found.lo, found.hi]) != "undecided":
-            break
+    found, count = by_the_rule(d, pair_looks(2, 16), per_look)
     return found.lo <= math.exp(true_log) <= found.hi, count
 
 

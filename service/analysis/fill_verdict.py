@@ -21,7 +21,7 @@ from service.analysis.comparison import (
     paired_trials,
     spec_value,
 )
-from service.analysis.intervals import BOOTSTRAP, CONFIDENCE
+from service.analysis.intervals import BOOTSTRAP, CONFIDENCE, Ratio
 from service.analysis.pairs import (
     DECIDING_HALF_WIDTH,
     PRIOR_LOG_SD,
@@ -29,6 +29,7 @@ from service.analysis.pairs import (
     pair_looks,
     pairs_needed,
     pooled_log_sd,
+    ratio_by_pairs,
 )
 from service.analysis.stopping import Looks
 from service.storage.tables import Run
@@ -48,6 +49,27 @@ def state_of(ci: list[float] | None) -> str:
     if MATCH_BAND[0] <= ci[0] and ci[1] <= MATCH_BAND[1]:
         return "matches"
     return "undecided"
+
+
+def by_the_rule(log_ratios: Sequence[float], plan: Looks,
+                per_look: float | None = None) -> tuple[Ratio, int]:
+    """The ``until_decided`` rule on one point's per-pair log ratios (fill over prefill),
+    taken in order: the interval at each planned look until one is decided (or the
+    budget is spent). The last interval and how many pairs it took. ``per_look``: another
+    confidence for every look (the plain 95% the rule corrects, to compare with). What the
+    simulations of the rule's coverage run (``tests/test_pairs.py``,
+    ``benchmarks/repeats.py``)."""
+    found: Ratio | None = None
+    count = 0
+    for count in plan.counts:
+        fill = [math.exp(d) for d in log_ratios[:count]]
+        found = ratio_by_pairs([1.0] * count, fill, plan.confidence if per_look is None else per_look)
+        if found is None:
+            raise ValueError(f"{count} pairs give no interval (fewer log ratios than the looks plan?)")
+        if state_of([found.lo, found.hi]) != "undecided":
+            break
+    assert found is not None, "a plan has at least one look"
+    return found, count
 
 
 def _needed(c: dict[str, Any], pairs: int, prior: float) -> int | None:
