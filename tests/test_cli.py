@@ -205,7 +205,17 @@ def test_progress_moves_every_second_and_ctrl_c_cancels_the_run_on_the_service(
             run_id = service.get("/api/runs").json()["runs"][0]["id"]
             assert service.get(f"/api/runs/{run_id}").json()["status"] == "running"
             proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=60)
+            # Read the terminal while it winds down: a full one would stop its writes.
+            deadline = time.monotonic() + 60
+            while proc.poll() is None and time.monotonic() < deadline:
+                if select.select([leader], [], [], 0.2)[0]:
+                    try:
+                        buffer += os.read(leader, 65536)
+                    except OSError:  # the last writer closed it: the process is ending
+                        time.sleep(0.05)
+            assert proc.poll() is not None, ("still running 60 s after Ctrl-C; it printed:\n"
+                                             + buffer[-2000:].decode(errors="replace"))
+            code = proc.returncode
             while select.select([leader], [], [], 0.5)[0]:
                 try:
                     buffer += os.read(leader, 65536)

@@ -88,5 +88,16 @@ class Client:
         response = self.call("POST", path, json=body)
         return response.json() if response.content else None
 
+    def post_anew(self, path: str) -> Any:
+        """POST on a client of its own: after Ctrl-C the interrupt may have come in the middle
+        of a call of this client's, and its connections are not to be trusted then."""
+        http = self.http
+        self.http = httpx.Client(base_url=self.url, headers=http.headers, timeout=http.timeout)
+        try:
+            return self.post(path)
+        finally:
+            self.http.close()
+            self.http = http
+
     def close(self) -> None:
         self.http.close()

@@ -180,7 +180,7 @@ def bench_serve(ctx: click.Context, /, **values: Any) -> None:
         path = (f"/api/groups/{run['group_id']}/cancel" if run.get("group_id")
                 else f"/api/runs/{run['id']}/cancel")
         try:
-            client.post(path)
+            client.post_anew(path)
             err.print(f"cancelled {what} on the service", highlight=False)
         except ApiError as error:
             err.print(f"could not cancel {what}: {error}", highlight=False)
@@ -339,7 +339,7 @@ def _follow_and_judge(client: Client, sweep_id: str) -> None:
 
     def cancel() -> None:
         try:
-            client.post(f"/api/sweeps/{sweep_id}/cancel")
+            client.post_anew(f"/api/sweeps/{sweep_id}/cancel")
             err.print(f"cancelled sweep {sweep_id} on the service", highlight=False)
         except ApiError as error:
             err.print(f"could not cancel sweep {sweep_id}: {error}", highlight=False)
