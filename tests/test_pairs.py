@@ -71,7 +71,7 @@ def test_a_sweep_over_mode_runs_each_pair_back_to_back(client: TestClient) -> No
         # Compare of the two arms that ran as pairs gives the same paired interval.
         compared = client.get(f"/api/compare?ids={verdict['prefill']}&ids={verdict['fill']}").json()
         row = next(m for m in compared["metrics"] if m["metric"] == KEYS[0])
-        assert row["changes"][0]["method"] == PAIRED
+        assert row["changes"][0]["method"] == PAIRED and row["changes"][0]["across_runs"] is True
         assert row["changes"][0]["ci"] == pytest.approx(verdict["ratios"][0]["ci"])
 
 

@@ -118,6 +118,9 @@ def test_compare_api_gives_intervals_and_verdicts(client: TestClient) -> None:
     assert change["method"] == "bootstrap over requests"
     assert change["ci"][0] <= change["ratio"] <= change["ci"][1]
     assert change["verdict"] in {"different", "not distinguishable"}
+    # One run a side: the interval holds no drift between runs, and a difference says so.
+    assert change["across_runs"] is False
+    assert (change["verdict"] == "different") == ("within these two runs" in change["message"])
     # Throughput is one figure per run: no interval without repeats on both sides.
     assert rows["output_throughput"]["changes"][0]["verdict"] == "no interval"
     assert client.get(f"/api/compare?ids={ids[0]},{ids[1]}").json()["metrics"] == result["metrics"]

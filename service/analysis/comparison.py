@@ -200,6 +200,11 @@ def ratio(engine: Engine, a: Arm, b: Arm, metric: Metric, seed: int = 0,
                              b.request_groups(engine, metric.values), metric.q, seed=seed)
 
 
+# What a difference found over the requests of one run a side is said to be.
+WITHIN_RUNS = ("different at 95% within these two runs; drift between runs is not in this interval: "
+               "repeat both to tell")
+
+
 def change(engine: Engine, a: Arm, b: Arm, metric: Metric,
            confidence: float = CONFIDENCE) -> dict[str, Any]:
     """B against A on one metric, with the verdict a reader needs."""
@@ -211,19 +216,24 @@ def change(engine: Engine, a: Arm, b: Arm, metric: Metric,
         why = ("needs two or more succeeded trials on both sides" if metric.values is None
                else "not enough requests, or a figure of 0")
         return out | {"ratio": None, "ci": None, "method": None, "verdict": "no interval",
-                      "direction": None, "message": f"no interval: {why}", "pairs": None,
-                      "log_sd": None}
+                      "direction": None, "message": f"no interval: {why}", "across_runs": None,
+                      "pairs": None, "log_sd": None}
     direction = None
     if found.differs():
         worse = (found.value > 1) != metric.higher_is_better
         direction = "worse" if worse else "better"
     verdict = "different" if found.differs() else "not distinguishable"
+    # One run a side: the interval is over the requests of these two runs and holds none of
+    # the drift between runs (often several % on a busy machine), so a difference it finds
+    # may be that drift. Said with the verdict rather than hidden: it is all one run gives.
+    across = found.method != BOOTSTRAP
     pct = (found.value - 1) * 100
+    said = "different at 95%" if across else WITHIN_RUNS
     message = (f"{pct:+.1f}% [{(found.lo - 1) * 100:+.1f}%, {(found.hi - 1) * 100:+.1f}%]: "
-               + (f"{direction} (different at 95%)" if direction else "not distinguishable at 95%"))
+               + (f"{direction} ({said})" if direction else "not distinguishable at 95%"))
     return out | {"ratio": found.value, "ci": [found.lo, found.hi], "method": found.method,
                   "verdict": verdict, "direction": direction, "message": message,
-                  "pairs": found.pairs, "log_sd": found.log_sd}
+                  "across_runs": across, "pairs": found.pairs, "log_sd": found.log_sd}
 
 
 # Finished arms never change, so what was worked out for them is kept (bootstraps cost

@@ -132,6 +132,9 @@ def compare_table(result: Mapping[str, Any]) -> Table:
         for change in row.get("changes") or []:
             ratio = change.get("ratio")
             cells.append("-" if ratio is None else f"{ratio:.3f}{_interval(change.get('ci'))}")
-            verdicts.append(change.get("verdict", ""))
+            verdict = change.get("verdict", "")
+            if verdict == "different" and change.get("across_runs") is False:
+                verdict += " (within these runs only)"
+            verdicts.append(verdict)
         table.add_row(*cells, ", ".join(verdicts))
     return table
