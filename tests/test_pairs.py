@@ -187,7 +187,14 @@ def test_added_trials_join_the_pairs(client: TestClient) -> None:
     by_len = {v["point"]["input_len"]: v for v in found["fill_vs_prefill"]}
     assert by_len[8]["pairs"] == 2 and by_len[8]["ratios"][0]["method"] == PAIRED
     assert by_len[12]["one_pair"]
-    assert 'id="add-trials"' in client.get(f"/sweeps/{sweep['id']}").text
+    html = client.get(f"/sweeps/{sweep['id']}").text
+    assert 'id="add-trials"' in html
+    # The page and the export count the trials each point has now, added ones too.
+    assert '<strong id="trials-per-point">1 to 2 trials per point</strong>' in html
+    assert "(1 asked at submit, the rest added)" in html
+    rows = client.get(f"/api/sweeps/{sweep['id']}/export?format=json").json()["rows"]
+    assert sorted((r["input_len"], r["mode"], r["trials"], r["pairs"]) for r in rows) == [
+        (8, "fill", 2, 2), (8, "prefill", 2, 2), (12, "fill", 1, 1), (12, "prefill", 1, 1)]
 
 
 @pytest.mark.parametrize(("body", "status", "needle"), [

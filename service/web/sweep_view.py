@@ -38,10 +38,11 @@ def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
 
 def sweep_table(public: SweepPublic) -> tuple[list[str], list[dict[str, Any]]]:
     """A sweep's points as one flat table (``GET /api/sweeps/{id}/export``): the columns and
-    one row per point, each figure with its 95% interval, spread and number of trials."""
+    one row per point, each figure with its 95% interval, spread and number of trials, and
+    how many of its trials ran in fill/prefill pairs."""
     runs = {r.id: r for r in public.runs}
     keys = [*TABLE_SPEC_KEYS, *(k for k in public.grid if k not in TABLE_SPEC_KEYS)]
-    columns = ["sweep", "point", *keys, "trials", "succeeded", "runs"]
+    columns = ["sweep", "point", *keys, "trials", "succeeded", "pairs", "runs"]
     for name in POINT_FIGURES:
         columns += [name, f"{name}_ci_lo", f"{name}_ci_hi", f"{name}_cv", f"{name}_n"]
     rows = []
@@ -50,6 +51,7 @@ def sweep_table(public: SweepPublic) -> tuple[list[str], list[dict[str, Any]]]:
         row: dict[str, Any] = {"sweep": public.id, "point": p["arm"],
                                **{k: spec_value(spec, k) for k in keys},
                                "trials": len(p["runs"]), "succeeded": p["succeeded"],
+                               "pairs": len({runs[r].pair_id for r in p["runs"] if runs[r].pair_id}),
                                "runs": " ".join(p["runs"])}
         for name in POINT_FIGURES:
             fig = p["figures"].get(name) or {}
