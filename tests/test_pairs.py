@@ -255,15 +255,23 @@ def test_a_look_missed_while_the_service_was_down_is_taken_at_its_start(tmp_path
     settings = make_settings(tmp_path)
     settings.data_dir.mkdir(parents=True)
     engine = make_engine(settings.db_path)
-    undecided = _paired_sweep(engine, [0.0, 0.06], until_decided={"max_pairs": 4})
+    undecided = _paired_sweep(engine, [0.0, 0.06], until_decided={"max_pairs": 8})
     decided = _paired_sweep(engine, [0.0, 0.001], until_decided={"max_pairs": 4})
     engine.dispose()
     with ServedTestClient(settings, headers=AUTH) as client:
         found = client.get(f"/api/sweeps/{undecided}").json()
         assert len(found["runs"]) == 8  # the look of 2 pairs was taken: 2 more pairs
         assert len(client.get(f"/api/sweeps/{decided}").json()["runs"]) == 4
-        for r in found["runs"]:
-            client.post(f"/api/runs/{r['id']}/cancel")
+        # Cancelling the sweep stops its rule: the 2 finished pairs are still undecided,
+        # but no look queues pairs for it again, then or at the next start.
+        cancelled = client.post(f"/api/sweeps/{undecided}/cancel")
+        assert cancelled.status_code == 200, cancelled.text
+        (verdict,) = cancelled.json()["fill_vs_prefill"]
+        assert "until decided: stopped (the sweep was cancelled)" in verdict["line"], verdict["line"]
+        assert verdict["next_look"] is None
+    with ServedTestClient(settings, headers=AUTH) as client:
+        found = client.get(f"/api/sweeps/{undecided}").json()
+        assert len(found["runs"]) == 8 and found["progress"]["queued"] == 0
 
 
 def _sequential(true_log: float, sd: float, seed: int, per_look: float | None) -> tuple[bool, int]:

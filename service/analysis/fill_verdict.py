@@ -91,13 +91,14 @@ def _ratio_text(c: dict[str, Any]) -> str:
 
 
 def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, Arm]],
-                    rule: Looks | None = None) -> list[dict[str, Any]]:
+                    rule: Looks | None = None, stopped: str | None = None) -> list[dict[str, Any]]:
     """Per point with a fill and a prefill arm: fill/prefill of decode ITL and TPOT with
     their intervals (paired where they ran as pairs; at the looks' confidence under a
     sweep's ``until_decided`` rule), a verdict against ``MATCH_BAND`` (``matches``: every
     interval inside; ``differs``: one wholly outside; else ``undecided``), the pairs, and
     for an undecided point how many pairs would decide it. One pair never decides: the
-    bootstrap over its requests knows nothing of the drift between runs."""
+    bootstrap over its requests knows nothing of the drift between runs. ``stopped``: why
+    the rule queues no more pairs (its sweep was cancelled), for the line."""
     confidence = rule.confidence if rule is not None else CONFIDENCE
     computed = []
     for point, fill, prefill in pairs:
@@ -139,11 +140,12 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
                      else "; more pairs will not decide it soon: the pairs disagree too much")
         state = {"needed": needed, "more": max(needed - n_pairs, 0) if needed else None}
         if rule is not None:
-            upcoming = next_look(rule, n_pairs) if verdict == "undecided" else None
+            upcoming = next_look(rule, n_pairs) if verdict == "undecided" and not stopped else None
             state["next_look"] = upcoming
             line += (f"; until decided: next look at {upcoming} pairs" if upcoming
-                     else f"; until decided: stopped at look {rule.reached(n_pairs)} of "
-                     f"{len(rule.counts)} ({100 * confidence:.3g}% per look, Bonferroni)")
+                     else f"; until decided: stopped{f' ({stopped})' if stopped else ''} at look "
+                     f"{rule.reached(n_pairs)} of {len(rule.counts)} ({100 * confidence:.3g}% per "
+                     "look, Bonferroni)")
         details = "; ".join(f"{c['metric']} fill/prefill {_ratio_text(c)}"
                             + (f" ({c['method']})" if c["ci"] else "") for c in changes)
         lo, hi = MATCH_BAND
@@ -155,6 +157,14 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
     return out
 
 
+def rule_stopped(options: dict[str, Any] | None) -> str | None:
+    """Why a sweep's ``until_decided`` rule queues no more pairs (its sweep was cancelled),
+    or None while it does (or there is none)."""
+    until = (options or {}).get("until_decided") or {}
+    stopped = until.get("stopped")
+    return str(stopped) if stopped else None
+
+
 def sweep_rule(options: dict[str, Any] | None, repeats: int) -> Looks | None:
     """The planned looks of a sweep's ``until_decided`` rule; None without one."""
     until = (options or {}).get("until_decided")
@@ -164,7 +174,8 @@ def sweep_rule(options: dict[str, Any] | None, repeats: int) -> Looks | None:
 
 
 def sweep_points(engine: Engine, grid_keys: Sequence[str], runs: Sequence[Run],
-                 rule: Looks | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                 rule: Looks | None = None,
+                 stopped: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A sweep's points (its runs grouped into arms, each with its grid values and figures)
     and, for a sweep over ``mode``, fill against prefill per point once both are finished."""
     arms = arms_of(runs)
@@ -177,7 +188,7 @@ def sweep_points(engine: Engine, grid_keys: Sequence[str], runs: Sequence[Run],
             "succeeded": len(arm.ok),
             "figures": {k: figure(arm, k) for k in POINT_FIGURES},
         })
-    return points, fill_vs_prefill(engine, finished_pairs(grid_keys, points, arms), rule)
+    return points, fill_vs_prefill(engine, finished_pairs(grid_keys, points, arms), rule, stopped)
 
 
 def finished_pairs(grid_keys: Sequence[str], points: Sequence[dict[str, Any]],

@@ -16,7 +16,7 @@ import threading
 from sqlalchemy import Engine
 
 from service.analysis.comparison import arms_of, spec_value
-from service.analysis.fill_verdict import fill_vs_prefill, finished_pairs, sweep_rule
+from service.analysis.fill_verdict import fill_vs_prefill, finished_pairs, rule_stopped, sweep_rule
 from service.core.sweep import TrialsCreate
 from service.storage import store, sweeps
 
@@ -57,7 +57,7 @@ def _follow_up(engine: Engine, run_id: str) -> int:
     # The sweep alone first: most sweeps have no rule, and their runs are many.
     sweep = sweeps.sweep_row(engine, run.sweep_id)
     rule = None if sweep is None else sweep_rule(sweep.options, int(sweep.base.get("repeats", 1)))
-    if sweep is None or rule is None:
+    if sweep is None or rule is None or rule_stopped(sweep.options):
         return 0
     _, runs = sweeps.get_sweep(engine, run.sweep_id)
     keys = [k for k in sweep.grid if k != "mode"]

@@ -153,6 +153,21 @@ def sweep_row(engine: Engine, sweep_id: str) -> Sweep | None:
         return session.get(Sweep, sweep_id)
 
 
+def stop_rule(engine: Engine, sweep_id: str, why: str) -> bool:
+    """Stop a sweep's ``until_decided`` rule: it queues no more pairs. False when the sweep
+    has no rule (or it was stopped already)."""
+    with write_session(engine) as session:
+        sweep = session.get(Sweep, sweep_id)
+        if sweep is None:
+            raise NotFound(f"sweep {shown(sweep_id)} not found")
+        until = (sweep.options or {}).get("until_decided")
+        if not until or until.get("stopped"):
+            return False
+        sweep.options = {**(sweep.options or {}), "until_decided": {**until, "stopped": why}}
+        session.add(sweep)
+        return True
+
+
 def ruled_sweep_ids(engine: Engine) -> list[str]:
     """The ids of the sweeps with an ``until_decided`` rule, oldest first."""
     with Session(engine) as session:

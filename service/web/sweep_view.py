@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from service.analysis.comparison import POINT_FIGURES, spec_value
-from service.analysis.fill_verdict import sweep_points, sweep_rule
+from service.analysis.fill_verdict import rule_stopped, sweep_points, sweep_rule
 from service.core.status import FINISHED, RunStatus
 from service.storage import sweeps
 from service.web.schemas import RunPublic, SweepPublic
@@ -32,7 +32,7 @@ def sweep_public(engine: Engine, sweep_id: str) -> SweepPublic:
                          progress=progress, runs=[RunPublic.of(r) for r in runs],
                          repeats=repeats, options=sweep.options)
     public.points, public.fill_vs_prefill = sweep_points(
-        engine, list(sweep.grid), runs, sweep_rule(sweep.options, repeats))
+        engine, list(sweep.grid), runs, sweep_rule(sweep.options, repeats), rule_stopped(sweep.options))
     return public
 
 

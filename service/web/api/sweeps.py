@@ -22,6 +22,9 @@ from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import SweepList, SweepPublic, SweepSummary
 
+# A sweep's cancel looks again for runs a look of its until_decided rule queued meanwhile.
+CANCEL_PASSES = 3
+
 log = logging.getLogger(__name__)
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -120,10 +123,22 @@ def mark_sweep_baseline(sweep_id: str, engine: DB) -> list[dict[str, Any]]:
 @router.post("/api/sweeps/{sweep_id}/cancel", response_model=SweepPublic, dependencies=ADMIN)
 def cancel_sweep(sweep_id: str, engine: DB, scheduler: Sched) -> SweepPublic:
     """Cancel every run of a sweep that has not finished, as a run's cancel does (a run
-    being measured keeps what it measured); 409 when all have finished."""
+    being measured keeps what it measured), and stop its until_decided rule; 409 when all
+    have finished."""
     _, runs = sweeps.get_sweep(engine, sweep_id)
-    cancelled = sum(cancel_one(engine, scheduler, run.id, "cancelled by the user (its sweep)")
+    if all(run.status in FINISHED for run in runs):
+        raise Conflict(f"every run of sweep {sweep_id} already finished; nothing to cancel")
+    # The until_decided rule first, so that it queues no pairs behind the cancel; a look
+    # already under way may still have: those runs are cancelled by the next pass.
+    sweeps.stop_rule(engine, sweep_id, "the sweep was cancelled")
+    cancelled = 0
+    for _ in range(CANCEL_PASSES):
+        _, runs = sweeps.get_sweep(engine, sweep_id)
+        found = sum(cancel_one(engine, scheduler, run.id, "cancelled by the user (its sweep)")
                     for run in runs if run.status not in FINISHED)
+        if not found:
+            break
+        cancelled += found
     if not cancelled:
         raise Conflict(f"every run of sweep {sweep_id} already finished; nothing to cancel")
     return sweep_view.sweep_public(engine, sweep_id)
