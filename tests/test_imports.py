@@ -22,6 +22,27 @@ def _reference() -> dict[str, Any]:
     return data
 
 
+@pytest.mark.parametrize(("offset", "finished"), [
+    (None, "2026-11-22T11:02:57"),  # no offset given: the date is taken as UTC
+    ("+02:00", "2026-11-22T09:02:57"),
+    ("-05:30", "2026-11-22T16:32:57"),
+])
+def test_the_files_local_date_is_read_at_the_offset_given(client: TestClient, offset: str | None,
+                                                          finished: str) -> None:
+    params = {} if offset is None else {"utc_offset": offset}
+    response = client.post("/api/imports", json=_reference(), params=params)
+    assert response.status_code == 201, response.text
+    run = response.json()
+    assert run["finished_at"].startswith(finished)
+    assert run["provenance"]["imported"]["date_utc_offset"] == (offset or "+00:00")
+
+
+@pytest.mark.parametrize("offset", ["2", "+15:00", "+02:61", "UTC+2", "+0200x"])
+def test_a_bad_offset_is_a_422_naming_it(client: TestClient, offset: str) -> None:
+    response = client.post("/api/imports", json=_reference(), params={"utc_offset": offset})
+    assert response.status_code == 422 and "utc_offset" in response.text, response.text
+
+
 def test_import_of_a_detailed_file_compares_not_distinguishable_with_itself(client: TestClient) -> None:
     data = _reference()
     data["gpu"] = "H100"  # a --metadata KEY=VALUE pair

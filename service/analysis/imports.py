@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 from pydantic import ValidationError
@@ -214,9 +215,24 @@ def _provenance(body: Mapping[str, Any], spec: Mapping[str, Any], detailed: bool
     return record
 
 
-def read_result(body: Any) -> Imported:
+def utc_offset(text: str) -> timedelta:
+    """``+HH:MM``/``-HH:MM`` (or ``Z``) as a timedelta; Invalid otherwise."""
+    text = text.strip()
+    if text == "Z":
+        return timedelta(0)
+    found = re.fullmatch(r"([+-])(\d{2}):?(\d{2})", text)
+    if found is None or int(found[2]) > 14 or int(found[3]) > 59:
+        raise Invalid(f"utc_offset {text[:20]!r} is not an offset from UTC as +HH:MM or -HH:MM "
+                      "(between -14:00 and +14:00)")
+    offset = timedelta(hours=int(found[2]), minutes=int(found[3]))
+    return -offset if found[1] == "-" else offset
+
+
+def read_result(body: Any, offset: timedelta = timedelta(0)) -> Imported:
     """An imported run from the JSON of one ``vllm bench serve --save-result`` file;
-    Invalid naming the first missing or unreadable key."""
+    Invalid naming the first missing or unreadable key. ``offset``: from UTC, of the clock
+    that wrote the file's ``date`` (vLLM writes the local time of the host that ran it,
+    without its offset)."""
     if not isinstance(body, Mapping):
         raise Invalid("a vllm bench serve result file is one JSON object; got "
                       f"{type(body).__name__}")
@@ -232,16 +248,24 @@ def read_result(body: Any) -> Imported:
     for key in COUNT_KEYS:
         _count(f"key {key!r}", body[key])
     try:
-        finished = datetime.strptime(str(body["date"]), DATE_FORMAT).replace(tzinfo=UTC)
+        finished = (datetime.strptime(str(body["date"]), DATE_FORMAT)
+                    .replace(tzinfo=timezone(offset)).astimezone(UTC))
     except ValueError as exc:
         raise Invalid(f"key 'date' of the result file is not {DATE_FORMAT}: "
                       f"{str(body['date'])[:40]!r}") from exc
     duration = _number(body, "duration")
     samples = _samples(body)
     spec = _spec(body, samples)
+    provenance = _provenance(body, spec, bool(samples))
+    provenance["imported"]["date_utc_offset"] = _offset_text(offset)
     return Imported(spec=spec, summary=_summary(body, samples, duration), samples=samples,
-                    provenance=_provenance(body, spec, bool(samples)), finished_at=finished,
-                    duration=duration)
+                    provenance=provenance, finished_at=finished, duration=duration)
+
+
+def _offset_text(offset: timedelta) -> str:
+    minutes = int(offset.total_seconds() // 60)
+    sign = "-" if minutes < 0 else "+"
+    return f"{sign}{abs(minutes) // 60:02d}:{abs(minutes) % 60:02d}"
 
 
 def started_at(found: Imported) -> datetime:

@@ -84,8 +84,8 @@ class Client:
     def get(self, path: str, **params: Any) -> Any:
         return self.call("GET", path, params=params).json()
 
-    def post(self, path: str, body: Any = None) -> Any:
-        response = self.call("POST", path, json=body)
+    def post(self, path: str, body: Any = None, **params: Any) -> Any:
+        response = self.call("POST", path, json=body, params=params)
         return response.json() if response.content else None
 
     def post_anew(self, path: str) -> Any:

@@ -454,17 +454,25 @@ def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
         console.print(f"wrote {len(archive.namelist())} files under {directory}", highlight=False)
 
 
+def _local_offset() -> str:
+    text = datetime.now().astimezone().strftime("%z") or "+0000"
+    return f"{text[:3]}:{text[3:]}"
+
+
 @cli.command("import")
 @click.argument("files", nargs=-1, required=True,
                 type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--utc-offset", default=_local_offset, show_default="this machine's",
+              help="The offset from UTC (+HH:MM) of the clock that wrote the files' dates: vLLM "
+                   "writes local time without its offset.")
 @click.pass_context
-def import_results(ctx: click.Context, files: Sequence[Path]) -> None:
+def import_results(ctx: click.Context, files: Sequence[Path], utc_offset: str) -> None:
     """Make result files of `vllm bench serve --save-result` runs of the service (status
     imported), for compare and baselines beside decodebench's own."""
     client = client_of(ctx)
     for path in files:
         for body in _results(path):
-            run = client.post("/api/imports", body)
+            run = client.post("/api/imports", body, utc_offset=utc_offset)
             console.print(f"{path}: imported as {run['id']}", highlight=False)
 
 
