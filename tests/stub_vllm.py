@@ -187,7 +187,8 @@ def build_app(served_name: str, interval: float, startup_delay: float,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served_name, "object": "model"}]}
+        return {"object": "list", "data": [{"id": served_name, "object": "model",
+                                            "max_model_len": engine["max_model_len"]}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +42,11 @@ KV_CONFIGS: dict[str, dict[str, Any]] = {}
 class RemoteStub:
     """A stub vLLM server the test starts and stops itself, as a user would on another host."""
 
-    def __init__(self, port: int, served: str = MODEL, **env: str) -> None:
+    def __init__(self, port: int, served: str = MODEL, args: Sequence[str] = (), **env: str) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, str(TESTS / "stub_vllm.py"), "--served-model-name", served,
-                "--host", "127.0.0.1", "--port", str(port)]
+                "--host", "127.0.0.1", "--port", str(port), *args]
         if self.url in KV_CONFIGS:
             argv += ["--kv-transfer-config", json.dumps(KV_CONFIGS[self.url])]
         self.proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
@@ -73,8 +73,9 @@ class RemoteStub:
 def remotes() -> Iterator[Callable[..., RemoteStub]]:
     started: list[RemoteStub] = []
 
-    def start(port: int | None = None, served: str = MODEL, **env: str) -> RemoteStub:
-        stub = RemoteStub(port or _free_port(), served, **env)
+    def start(port: int | None = None, served: str = MODEL, args: Sequence[str] = (),
+              **env: str) -> RemoteStub:
+        stub = RemoteStub(port or _free_port(), served, args, **env)
         started.append(stub)
         return stub
 
@@ -143,6 +144,21 @@ class Silent:
         self._open = False
         self._thread.join()
         self.sock.close()
+
+
+def test_a_run_longer_than_a_registered_server_takes_is_a_422(
+        client: TestClient, remotes: Callable[..., RemoteStub]) -> None:
+    remote = remotes(args=["--max-model-len", "64"])
+    registered = _register(client, remote.url)
+    _worker(client, registered["id"], "ready")
+    long = client.post("/api/runs", json={"model": MODEL, "input_len": 60, "output_len": 8})
+    assert long.status_code == 422, long.text
+    assert f"max_model_len of the registered server {remote.url}" in long.text
+    assert "needs 68 tokens, more than the model's max length 64" in long.text
+    fits = client.post("/api/runs", json={"model": MODEL, "input_len": 48, "output_len": 8,
+                                          "num_prompts": 2})
+    assert fits.status_code == 201, fits.text
+    assert wait_finished(client, fits.json()["id"])["status"] == "succeeded"
 
 
 def test_registered_server_takes_the_runs_of_its_model_and_engine(

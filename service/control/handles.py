@@ -55,6 +55,8 @@ class WorkerHandle:
     ready: bool = False
     # Tokens the server's KV cache holds, as it reports on /metrics (None if it does not say).
     kv_tokens: int | None = None
+    # A registered server's longest sequence, as its /v1/models says (None if it does not).
+    max_model_len: int | None = None
     # CPU workers: the binding variables it was started with and the cores vLLM reports.
     cpu_binding: dict[str, Any] | None = None
     # Registered servers: the last probe's complaint, and when last_seen_at was last written.

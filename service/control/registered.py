@@ -130,9 +130,12 @@ class RegisteredServers:
                 problem = f"/health answered {health.status_code}"
             else:
                 listed = await self.client.get(f"{handle.url}/v1/models", timeout=PROBE_TIMEOUT_S)
-                served = [m["id"] for m in listed.json()["data"]]
-                if handle.served_model not in served:
-                    problem = f"the server serves {served}, not {handle.served_model!r}"
+                cards = {m["id"]: m for m in listed.json()["data"]}
+                if handle.served_model not in cards:
+                    problem = f"the server serves {list(cards)}, not {handle.served_model!r}"
+                else:
+                    length = cards[handle.served_model].get("max_model_len")
+                    handle.max_model_len = length if isinstance(length, int) and length > 0 else None
         except httpx.HTTPError as exc:
             problem = f"no answer from {handle.url}: {type(exc).__name__} {exc}".strip()
         except (ValueError, KeyError, TypeError):

@@ -100,8 +100,13 @@ def check_model(request: Request, engine: Engine, model: str) -> None:
 
 
 def check_fits(request: Request, engine: Engine, specs: Sequence[RunSpec]) -> None:
-    """A 422 now for a run longer than its hub model takes, read from the model's cached
-    config (``RunSpec`` checks local directories and the tiny model itself)."""
+    """A 422 now for a run longer than its model takes: a registered server's, as its
+    /v1/models said; a hub model's, read from its cached config (``RunSpec`` checks local
+    directories and the tiny model itself)."""
+    served = _registered_lengths(request)
+    for spec in specs:
+        if spec.model in served and (problem := _registered_problem(spec, served[spec.model])):
+            raise Invalid(f"model {spec.model!r}: {problem}")
     if request.app.state.settings.hub_check == "off":
         return
     registered = {w.model for w in workers.active_workers(engine) if w.external}
@@ -113,6 +118,26 @@ def check_fits(request: Request, engine: Engine, specs: Sequence[RunSpec]) -> No
             limits[spec.model] = hub.cached_max_len(spec.model)
         if (problem := spec.length_problem(limits[spec.model])) is not None:
             raise Invalid(f"model {spec.model!r}: {problem}")
+
+
+def _registered_lengths(request: Request) -> dict[str, list[tuple[str, int | None]]]:
+    """Per model that registered servers serve: each server's URL and longest sequence."""
+    out: dict[str, list[tuple[str, int | None]]] = {}
+    for handle in list(request.app.state.scheduler.fleet.workers.values()):
+        if handle.external:
+            out.setdefault(handle.served_model, []).append((handle.url, handle.max_model_len))
+    return out
+
+
+def _registered_problem(spec: RunSpec, servers: Sequence[tuple[str, int | None]]) -> str | None:
+    """Why the run would not fit the registered servers of its model: any of them may take
+    it, so it must fit the shortest that said its length."""
+    known = [(length, url) for url, length in servers if length is not None]
+    if not known:
+        return None
+    length, url = min(known)
+    return spec.length_problem(MaxLen(length, f"max_model_len of the registered server {url}"),
+                               judge_engine=False)
 
 
 @router.get("/api/runs/{run_id}", response_model=RunPublic, dependencies=READ)
