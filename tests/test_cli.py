@@ -186,7 +186,10 @@ def test_progress_moves_every_second_and_ctrl_c_cancels_the_run_on_the_service(
             [sys.executable, "-m", "service.cli", "--url", service.control_url, "--token", API_TOKEN,
              "bench", "serve", "--num-prompts", "120", "--max-concurrency", "1", "--random-input-len", "8",
              "--random-output-len", "50"], cwd=REPO, stdin=follower, stdout=follower, stderr=follower,
-            env={**os.environ, "COLUMNS": "160", "TERM": "xterm"})
+            env={**os.environ, "COLUMNS": "160", "TERM": "xterm"},
+            # Ctrl-C as in a terminal: a suite started in the background without job control
+            # runs with SIGINT ignored, which every child inherits.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         os.close(follower)
         screens: list[tuple[float, str]] = []
         buffer = b""
