@@ -268,6 +268,20 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert first["id"] in service.get("/").text
 
 
+def test_a_run_cancelled_midway_leaves_its_real_server_serving(service: httpx.Client) -> None:
+    # After a cancel the server must answer a one-token request (untagged: the connector
+    # treats it as its defaults say) before it takes another run; a real one does.
+    spec = {"input_len": 2048, "output_len": 512, "num_prompts": 40, "max_concurrency": 4}
+    run = service.post("/api/runs", json=spec).json()
+    going = wait_for(service, run["id"], lambda r: r["progress"]["completed"] >= 1, timeout=600)
+    assert going["status"] == "running"
+    cancelled = service.post(f"/api/runs/{run['id']}/cancel").json()
+    assert cancelled["status"] == "cancelled"
+    after = _run(service, input_len=1024, output_len=16, num_prompts=4, max_concurrency=2)
+    assert after["worker_id"] == going["worker_id"]
+    assert service.get(f"/api/workers/{going['worker_id']}").json()["status"] == "ready"
+
+
 def test_the_command_line_runs_a_fill_benchmark_on_the_real_server(
         service: httpx.Client, tmp_path: Path) -> None:
     """``decodebench bench serve`` with vLLM's flags, once against a real vLLM CPU server: the
