@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import Engine
 
 from service.analysis.comparison import arms_of, spec_value
 from service.analysis.fill_verdict import fill_vs_prefill, finished_pairs, rule_stopped, sweep_rule
+from service.analysis.stopping import Looks
 from service.core.sweep import TrialsCreate
 from service.storage import store, sweeps
+from service.storage.tables import Run, Sweep
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +38,23 @@ def follow_up(engine: Engine, run_id: str) -> int:
 
 
 def catch_up(engine: Engine) -> int:
-    """Take the looks missed while the service was down: ``follow_up`` once per point of
-    every sweep with the rule (a point with pairs still to run, or decided, queues
-    nothing). How many pairs were queued."""
+    """Take the looks missed while the service was down: one look per point of every sweep
+    whose rule still runs (a point with pairs still to run, or decided, queues nothing),
+    over the sweep's runs read once. How many pairs were queued."""
     queued = 0
     for sweep_id in sweeps.ruled_sweep_ids(engine):
         sweep, runs = sweeps.get_sweep(engine, sweep_id)
+        rule = sweep_rule(sweep.options, int(sweep.base.get("repeats", 1)))
+        if rule is None or rule_stopped(sweep.options):
+            continue
         keys = [k for k in sweep.grid if k != "mode"]
-        seen: set[str] = set()
+        seen: list[dict[str, Any]] = []
         for run in runs:
-            point = repr([spec_value(run.spec, k) for k in keys])
+            point = {k: spec_value(run.spec, k) for k in keys}
             if point not in seen:
-                seen.add(point)
-                queued += follow_up(engine, run.id)
+                seen.append(point)
+                with _LOOKING:
+                    queued += _look(engine, sweep, rule, runs, point)
     return queued
 
 
@@ -60,8 +68,13 @@ def _follow_up(engine: Engine, run_id: str) -> int:
     if sweep is None or rule is None or rule_stopped(sweep.options):
         return 0
     _, runs = sweeps.get_sweep(engine, run.sweep_id)
-    keys = [k for k in sweep.grid if k != "mode"]
-    mine = {k: spec_value(run.spec, k) for k in keys}
+    point = {k: spec_value(run.spec, k) for k in sweep.grid if k != "mode"}
+    return _look(engine, sweep, rule, runs, point)
+
+
+def _look(engine: Engine, sweep: Sweep, rule: Looks, runs: Sequence[Run], mine: dict[str, Any]) -> int:
+    """The look at one point (``mine``: its grid values but mode) of a sweep with the rule,
+    over the sweep's ``runs``: queue the pairs up to the next look when it is undecided."""
     same = [r for r in runs if all(spec_value(r.spec, k) == v for k, v in mine.items())]
     arms = arms_of(same)
     points = [{"point": {k: spec_value(a.spec, k) for k in sweep.grid}} for a in arms]
