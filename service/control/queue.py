@@ -56,9 +56,8 @@ class Scheduler:
         # The runner of every placed run until it has ended, and its task.
         self._runners: dict[str, Runner] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        # Pairs (fill/prefill trials run back to back): the pair of each placed run, and the
-        # server the last ended run of a pair ran on, for its partner (newest kept).
-        self._placed_pairs: dict[str, str] = {}
+        # Pairs (fill/prefill trials run back to back): the server the last ended run of a
+        # pair ran on, for its partner (newest kept).
         self._pair_servers: OrderedDict[str, str] = OrderedDict()
         self.loop_task: asyncio.Task[None] | None = None
         self.probe_task: asyncio.Task[None] | None = None
@@ -233,8 +232,9 @@ class Scheduler:
         pair_of = {row.id: row.pair_id for row in queued if row.pair_id}
         workers, starting = self.fleet.rows()
         failed: list[tuple[str, str]] = []
+        busy_pairs = {r.pair_id for r in self._runners.values() if r.pair_id}
         decisions = place(queued, workers, starting, self.fleet.gpu_ids(),
-                          busy_pairs=set(self._placed_pairs.values()), pair_servers=self._pair_servers)
+                          busy_pairs=busy_pairs, pair_servers=self._pair_servers)
         for decision in decisions:
             if decision.fail is not None:
                 failed.append((decision.run_id, decision.fail))
@@ -242,10 +242,8 @@ class Scheduler:
             placement = self.fleet.reserve(decision)
             run_id = decision.run_id
             runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement,
-                            in_sweep=run_id in in_sweep)
+                            in_sweep=run_id in in_sweep, pair_id=pair_of.get(run_id))
             self._runners[run_id] = runner
-            if run_id in pair_of:
-                self._placed_pairs[run_id] = pair_of[run_id]
             task = asyncio.create_task(self._execute_placed(runner), name=f"runner-{run_id}")
             self._tasks[run_id] = task
             # A task cancelled before its first step never runs its body (nor its
@@ -285,9 +283,8 @@ class Scheduler:
             await self.fleet.release_evicted(run_id, runner.placement)
             used = [h for h in (runner.placement.reuse, runner.handle) if h is not None]
             self.fleet.release(run_id, used)
-            pair = self._placed_pairs.pop(run_id, None)
-            if pair is not None and used:
-                self._pair_servers[pair] = used[-1].id
+            if runner.pair_id is not None and used:
+                self._pair_servers[runner.pair_id] = used[-1].id
                 while len(self._pair_servers) > PAIRS_REMEMBERED:
                     self._pair_servers.popitem(last=False)
             if not runner.end_written:

@@ -74,7 +74,7 @@ class Runner:
     """Owns one placed run until it is succeeded, failed or cancelled."""
 
     def __init__(self, settings: Settings, engine: Engine, fleet: Fleet, run_id: str, spec: RunSpec,
-                 placement: Placement, in_sweep: bool = False) -> None:
+                 placement: Placement, in_sweep: bool = False, pair_id: str | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.fleet = fleet
@@ -82,6 +82,8 @@ class Runner:
         self.spec = spec
         # A run of a sweep (whose until_decided rule may follow it up when it ends).
         self.in_sweep = in_sweep
+        # The fill/prefill pair the run is half of: its partner waits while it runs.
+        self.pair_id = pair_id
         self.placement = placement
         # Messages to the runner (see ``cancel`` and ``reported``).
         self._cancel_asked = asyncio.Event()
