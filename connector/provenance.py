@@ -95,6 +95,39 @@ def kv_cache(kv_cache_config: KVCacheConfig | None, block_size: int | None) -> d
     return out
 
 
+def kv_cache_groups(kv_cache_config: KVCacheConfig, startup_fill: bool) -> list[dict[str, Any]]:
+    """Each KV cache group: its kind, tokens per block, window, layers, and how the
+    connector fills it: ``at start`` (startup fill), ``per request``, or ``zeroed per
+    request`` (circular buffers, which may pack non-float metadata). vLLM's own rules
+    decide which groups a startup fill covers."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        _get_startup_fill_group_ids,
+    )
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, iter_layer_specs
+
+    at_start = _get_startup_fill_group_ids(kv_cache_config) if startup_fill else set()
+    out: list[dict[str, Any]] = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        specs = list(iter_layer_specs(group.kv_cache_spec))
+        first = specs[0] if specs else group.kv_cache_spec
+        if index in at_start:
+            fill = "at start"
+        elif any(isinstance(s, CircularBufferSpec) for s in specs):
+            fill = "zeroed per request"
+        else:
+            fill = "per request"
+        window = getattr(first, "sliding_window", None)
+        out.append({
+            "index": index,
+            "kind": type(first).__name__.removesuffix("Spec"),
+            "block_size": _plain(getattr(first, "block_size", None)),
+            "sliding_window": window if isinstance(window, int) else None,
+            "layers": len(group.layer_names),
+            "fill": fill,
+        })
+    return out
+
+
 def versions() -> dict[str, str | None]:
     """vLLM, torch and Python of this process."""
     found: dict[str, str | None] = {"python": platform.python_version()}
@@ -218,10 +251,18 @@ def build(
     env = dict(os.environ if environ is None else environ)
     engine = engine_settings(vllm_config)
     block_size = engine.get("block_size")
+    cache = kv_cache(kv_cache_config, block_size if isinstance(block_size, int) else None)
+    groups: list[dict[str, Any]] = []
+    if kv_cache_config is not None:
+        transfer = vllm_config.kv_transfer_config
+        startup = bool(transfer.get_from_extra_config("startup_fill", False)) if transfer else False
+        groups = kv_cache_groups(kv_cache_config, startup)
+        cache["startup_fill"] = startup
     return {
         "versions": versions(),
         "engine": engine,
-        "kv_cache": kv_cache(kv_cache_config, block_size if isinstance(block_size, int) else None),
+        "kv_cache": cache,
+        "kv_cache_groups": groups,
         "hardware": hardware(engine.get("device"), env),
         "argv": command_line(list(sys.argv if argv is None else argv), token),
         "env": environment(env),

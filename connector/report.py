@@ -51,6 +51,8 @@ class Reporter:
         self.rank = rank
         self.interval_s = interval_s
         self._counters: dict[str, dict[str, float]] = {}
+        # Blocks filled per KV cache group, per run (sent as ``group_blocks``).
+        self._groups: dict[str, dict[str, float]] = {}
         self._notes: dict[str, str] = {}
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
@@ -73,7 +75,18 @@ class Reporter:
                 oldest = next(iter(self._counters))
                 self._counters.pop(oldest)
                 self._notes.pop(oldest, None)
+                self._groups.pop(oldest, None)
                 self._dirty.discard(oldest)
+        self._start()
+
+    def add_groups(self, run_id: str, blocks: dict[int, int]) -> None:
+        """Add to a run's blocks filled per KV cache group (cheap: called on the engine's path)."""
+        with self._lock:
+            groups = self._groups.setdefault(run_id, {})
+            for index, count in blocks.items():
+                groups[str(index)] = groups.get(str(index), 0) + count
+            self._dirty.add(run_id)
+            self._counters.setdefault(run_id, {})
         self._start()
 
     def note(self, run_id: str, text: str) -> None:
@@ -160,11 +173,13 @@ class Reporter:
         with self._lock:
             if not self._dirty:
                 return sent_provenance
-            runs: dict[str, dict[str, float | str]] = {}
+            runs: dict[str, dict[str, Any]] = {}
             for run_id in self._dirty:
                 runs[run_id] = dict(self._counters[run_id])
                 if run_id in self._notes:
                     runs[run_id]["error"] = self._notes[run_id]
+                if run_id in self._groups:
+                    runs[run_id]["group_blocks"] = dict(self._groups[run_id])
             self._dirty.clear()
         try:
             self._post(url, {"role": self.role, "rank": self.rank, "runs": runs})

@@ -135,6 +135,11 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         params = self._decided.get(req_id)
         run_id = run_id_of(request)
+        if (self.startup_fill and num_external_tokens > 0 and req_id not in self._pending_fills
+                and req_id in self._filled_requests):
+            # Every group of this request was filled at start: nothing to write, but the
+            # worker side still accounts for the request (no blocks, no bytes).
+            self._pending_fills[req_id] = (tuple([] for _ in self.kv_cache_groups), num_external_tokens)
         if req_id in self._pending_fills:
             assert params is not None and params.mode == "fill", "a fill without the run's values"
             self._pending_values[req_id] = (params.mean, params.std)

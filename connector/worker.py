@@ -242,11 +242,13 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
             started = time.perf_counter()
             blocks = nbytes = 0
             device = None
+            per_group: dict[int, int] = {}
             for group_idx, block_ids in enumerate(block_ids_per_group):
                 if block_ids:
                     written, device = self._fill_group(group_idx, block_ids, mean, std)
                     nbytes += written
                     blocks += len(block_ids)
+                    per_group[group_idx] = len(block_ids)
             if device is not None and device.type == "cuda":
                 # Count the time the fill really took, not the time to launch it.
                 torch.cuda.synchronize(device)
@@ -259,6 +261,7 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
                     bytes_filled=nbytes,
                     fill_seconds=time.perf_counter() - started,
                 )
+                self.reporter.add_groups(run_id, per_group)
                 reported = True
         if reported:
             self.reporter.soon()

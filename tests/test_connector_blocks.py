@@ -274,3 +274,16 @@ def test_failed_pull_is_never_filled_with_other_values_and_is_reported(
     counters = connector.reporter.snapshot("r-x")
     assert counters["unresolved_requests"] == 2 and counters["requests_seen"] == 2
     assert "HTTP 500" in connector.reporter._notes["r-x"]
+
+
+def test_startup_fill_leaves_the_full_group_alone_and_still_accounts_for_the_request(tmp_path: Path) -> None:
+    def script(sched: Any) -> Any:
+        sched.add_request(h.request(_prompt(1000), request_id="a"))
+        return h.fills(h.run_until_idle(sched))
+
+    ours, upstream = _both(tmp_path, _hybrid, script, extra={"startup_fill": True})
+    (full, window), tokens = ours["a"]
+    # Both groups were filled at start (no circular buffer, no zeroing engine): nothing is
+    # written per request, but the worker side still hears of the request to count it.
+    assert tokens == 999 and full == [] and window == []
+    assert "a" not in upstream  # vLLM's own sends nothing for it

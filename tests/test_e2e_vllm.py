@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,17 +25,15 @@ import pytest
 from service.core.spec import RunSpec
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
 from service.load.generator import make_plan
-from tests.conftest import API_TOKEN, AUTH, wait_finished, wait_for
+from tests.conftest import API_TOKEN, wait_finished, wait_for
+from tests.vllm_process import free_port as _free_port
+from tests.vllm_process import real_service, start_vllm
+from tests.vllm_process import stop as _stop
+from tests.vllm_process import wait_healthy as _wait_healthy
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SlowPulls:
@@ -83,77 +79,12 @@ class SlowPulls:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    data_dir = tmp_path_factory.mktemp("e2e") / "var"
-    port = _free_port()
-    env = {**os.environ, "DECODEBENCH_DATA_DIR": str(data_dir), "DECODEBENCH_PORT": str(port),
-           "DECODEBENCH_GPUS": "", "DECODEBENCH_API_TOKEN": API_TOKEN}
-    env.pop("DECODEBENCH_VLLM_COMMAND", None)
-    log_path = data_dir.parent / "service.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=30)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "service did not come up"
-            time.sleep(0.2)
+    with real_service(tmp_path_factory.mktemp("e2e") / "var") as client:
         yield client
-    finally:
-        client.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
-def _start_vllm(
-    model_dir: Path, log_path: Path, *extra: str, port: int | None = None
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = port or _free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", TINY_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--load-format", "dummy", "--enforce-eager",
-            # 1 GiB of KV cache (a million tokens of the tiny model) is plenty, and leaves room
-            # for the service's own worker next to these two.
-            "--kv-cache-memory-bytes", str(1 << 30), *extra]
-    # The connector package is importable the way a user installs it next to vLLM.
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=env)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "vLLM server did not come up"
-        time.sleep(0.5)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def _start_vllm(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    return start_vllm(model_dir, log_path, *extra, served_name=TINY_MODEL_NAME)
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def test_a_run_records_its_workers_provenance_as_the_connector_reported_it(
     assert prov["versions"]["vllm"] == "0.0.0-stub"
     assert prov["hardware"]["cpu_model"] == "Stub CPU"
     assert prov["decodebench"]["version"] == "0.1.0"
-    assert prov["mode"] == "fill" and prov["fill"] == {"mean": 0.25, "std": 0.5}
+    assert prov["mode"] == "fill" and prov["fill"] == {"mean": 0.25, "std": 0.5, "startup": False}
     assert prov["prefill"].startswith("filled")
     assert prov["load_format"] == "dummy" and prov["weights"].startswith("dummy")
     assert prov["kv_cache_tokens"] == 100_000 * 16  # the server's cache_config_info
@@ -221,7 +221,10 @@ def test_the_connector_describes_a_real_vllm_config(tmp_path: Path) -> None:
     assert engine["max_num_batched_tokens"] == 4096 and engine["tensor_parallel_size"] == 1
     assert engine["load_format"] == "auto" and engine["device"] == "cpu"
     assert isinstance(engine["enforce_eager"], bool)
-    assert report["kv_cache"] == {"num_blocks": 2000, "block_size": 16, "tokens": 32_000, "groups": 1}
+    assert report["kv_cache"] == {"num_blocks": 2000, "block_size": 16, "tokens": 32_000, "groups": 1,
+                                  "startup_fill": False}
+    assert report["kv_cache_groups"] == [{"index": 0, "kind": "FullAttention", "block_size": 16,
+                                          "sliding_window": None, "layers": 1, "fill": "per request"}]
     assert report["versions"]["vllm"] == vllm.__version__
     assert report["hardware"]["cpu_cores"] == os.cpu_count()
     assert "gpus" not in report["hardware"]  # a CPU server

@@ -78,7 +78,9 @@ def run_options(f: Callable[..., Any]) -> Callable[..., Any]:
     decodebench's own."""
     options = [
         click.option("--model", default="decodebench-tiny", show_default=True,
-                     help="Model to serve: a Hugging Face id or a local folder."),
+                     help="Model to serve: a Hugging Face id, a local folder, or a bundled shape "
+                          "(dummy weights): " + ", ".join(
+                              "decodebench-shapes/" + s for s in vllm_flags.BUNDLED_SHAPES) + "."),
         click.option("--dataset-name", default="random", show_default=True,
                      help="Only random is supported."),
         click.option("--backend", default="openai", show_default=True,
@@ -111,6 +113,8 @@ def run_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="fill: the connector writes the KV cache (no prefill); prefill: a real one."),
         click.option("--fill-mean", type=float, default=0.015, show_default=True),
         click.option("--fill-std", type=float, default=0.0, show_default=True),
+        click.option("--fill-at-start", is_flag=True,
+                     help="Fill the whole KV cache once when the server starts (no fill in the steps)."),
         click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
                      help="Trials of the run, one after another."),
         click.option("--stop-itl-ci-pct", type=float, default=None,
@@ -123,6 +127,8 @@ def run_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None),
         click.option("--gpu-memory-utilization", type=float, default=None),
         click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None),
+        click.option("--num-layers", type=click.IntRange(1), default=None,
+                     help="Build a bundled shape with this many layers (every kind it has kept)."),
         click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it)."),
         click.option("--driver-nodes", type=click.IntRange(1), default=None,
                      help="Spread the load drivers over this many Ray nodes."),

@@ -131,6 +131,12 @@ def goodput(items: Sequence[str]) -> dict[str, float]:
     return out
 
 
+# The bundled shapes a run can name (``service.core.shapes``: the command line imports none of
+# the service, so they are listed here too; tests/test_cli.py holds the two lists together).
+BUNDLED_SHAPES = ("smollm2-135m", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-3-1b", "granite-4.0-h-350m",
+                  "qwen3-30b-a3b")
+
+
 def run_spec(v: Mapping[str, Any]) -> dict[str, Any]:
     """The ``RunSpec`` body of a command line's values (click's names); the service checks it."""
     rate = v.get("request_rate")
@@ -147,7 +153,8 @@ def run_spec(v: Mapping[str, Any]) -> dict[str, Any]:
         "warmup_prompts": v["num_warmups"],
         "seed": v["seed"],
         "mode": v["mode"],
-        "fill": {"mean": v["fill_mean"], "std": v["fill_std"]},
+        "fill": {"mean": v["fill_mean"], "std": v["fill_std"],
+                 **({"startup": True} if v.get("fill_at_start") else {})},
         "repeats": v["repeats"],
         "goodput": goodput(v.get("goodput") or ()),
     }
@@ -155,7 +162,8 @@ def run_spec(v: Mapping[str, Any]) -> dict[str, Any]:
         spec["ramp_up"] = {"strategy": v["ramp_up_strategy"], "start_rps": v.get("ramp_up_start_rps"),
                            "end_rps": v.get("ramp_up_end_rps")}
     engine = {key: v[key] for key in ("tensor_parallel_size", "max_model_len", "dtype",
-                                      "gpu_memory_utilization", "load_format") if v.get(key) is not None}
+                                      "gpu_memory_utilization", "load_format", "num_layers")
+              if v.get(key) is not None}
     if v.get("engine_arg"):
         engine["extra_args"] = list(v["engine_arg"])
     if engine:

@@ -20,7 +20,7 @@ from typing import Literal
 import httpx
 
 from service.core.modelconfig import MaxLen, model_dir_max_len
-from service.core.tinymodel import TINY_MODEL_NAME
+from service.core.shapes import is_bundled
 
 HubCheck = Literal["off", "cache", "online"]
 HUB_ENDPOINT = "https://huggingface.co"
@@ -78,8 +78,8 @@ def ask_hub(repo_id: str, env: Mapping[str, str] | None = None,
 def model_problem(model: str, check: HubCheck, env: Mapping[str, str] | None = None,
                   transport: httpx.BaseTransport | None = None) -> str | None:
     """Why a worker could not load ``model`` (a repo id), or None when it can or the check
-    is off. Local paths and the bundled tiny model are left to ``RunSpec``."""
-    if check == "off" or model == TINY_MODEL_NAME or model.startswith("/"):
+    is off. Local paths and the bundled models are left to ``RunSpec``."""
+    if check == "off" or is_bundled(model) or model.startswith("/"):
         return None
     cache = hub_cache_dir(env)
     if cached_config(model, cache) is not None:
@@ -103,7 +103,7 @@ def model_problem(model: str, check: HubCheck, env: Mapping[str, str] | None = N
 def cached_max_len(model: str, env: Mapping[str, str] | None = None) -> MaxLen | None:
     """The longest sequence a repo id takes, from its cached snapshot's config (None when
     it is not in the cache: then nothing is known before its server starts)."""
-    if model == TINY_MODEL_NAME or model.startswith("/"):
+    if is_bundled(model) or model.startswith("/"):
         return None
     config = cached_config(model, hub_cache_dir(env))
     return model_dir_max_len(config.parent) if config is not None else None

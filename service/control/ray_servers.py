@@ -53,8 +53,8 @@ from service.control.handles import WorkerError, WorkerHandle
 from service.control.procs import WORKER_ENV, drain_to_capped_file, log_head, stop_process_group
 from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
 from service.core.ids import new_id, utcnow
+from service.core.shapes import ensure_bundled, is_bundled
 from service.core.spec import RunSpec
-from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model
 from service.settings import Settings
 from service.storage import workers
 from service.storage.logs import log_tail
@@ -114,11 +114,12 @@ class ServerHost:
             return int(s.getsockname()[1])
 
     def start(self, argv: list[str], env: dict[str, str], tensor_parallel_size: int,
-              on_cpu: bool, log_max_bytes: int, tiny_model: bool) -> dict[str, Any]:
+              on_cpu: bool, log_max_bytes: int, bundled: tuple[str, int | None] | None) -> dict[str, Any]:
         """Start the server as a process group of its own; its pid and, on a CPU, the
-        binding variables it got."""
-        if tiny_model:
-            ensure_tiny_model(self.dir / "models")
+        binding variables it got. ``bundled``: the bundled model (name, layers) to write
+        on this node first."""
+        if bundled is not None:
+            ensure_bundled(self.dir / "models", *bundled)
         full = dict(os.environ)
         full.update(env)
         full[WORKER_ENV] = self.worker_id
@@ -406,9 +407,10 @@ class RayServers:
         # The vocabulary is read here: the service's copy of the tiny model, or the model's
         # config in this host's cache (None when it is not there: prompts then stay in
         # the range every tokenizer has).
-        tiny = spec.model == TINY_MODEL_NAME
-        handle.vocab_size = model_vocab_size(str(ensure_tiny_model(self.settings.models_dir)) if tiny
-                                             else model_path)
+        bundled = is_bundled(spec.model)
+        handle.vocab_size = model_vocab_size(
+            str(ensure_bundled(self.settings.models_dir, spec.model, spec.engine.num_layers)) if bundled
+            else model_path)
         env = {k: v for k, v in os.environ.items() if k.startswith(self._forwarded())}
         await asyncio.to_thread(workers.add_worker, self.engine, Worker(
             id=handle.id, key=handle.key, model=spec.model, engine=spec.engine.model_dump(),
@@ -420,7 +422,7 @@ class RayServers:
                  node["address"])
         started = await self._ask(actor.start.remote(
             argv, env, spec.engine.tensor_parallel_size, not on_gpu, self.settings.worker_log_max_bytes,
-            spec.model == TINY_MODEL_NAME))
+            (spec.model, spec.engine.num_layers) if bundled else None))
         process.pid = int(started["pid"])
         handle.cpu_binding = started["cpu_binding"]
         await asyncio.to_thread(workers.update_worker, self.engine, handle.id, pid=process.pid,

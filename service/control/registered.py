@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 
 from service.control.handles import WorkerHandle
 from service.control.vllm_cli import kv_capacity
+from service.core import shapes
 from service.core.errors import Conflict, NotFound, shown
 from service.core.ids import new_id, utcnow
 from service.core.servers import WorkerRegister
@@ -66,7 +67,7 @@ class RegisteredServers:
             log_path="",
             external=True,
             backend="registered",
-            vocab_size=body.vocab_size or (VOCAB_SIZE if body.model == TINY_MODEL_NAME else None),
+            vocab_size=body.vocab_size or _bundled_vocab(body.model),
             error="registered; waiting for the server to answer /health",
         )
         # Placed before the write, so that no second registration of the URL gets in.
@@ -166,3 +167,11 @@ class RegisteredServers:
         log.info("worker %s at %s answers; ready", handle.id, handle.url)
         return True
 
+
+def _bundled_vocab(model: str) -> int | None:
+    """The vocabulary of a bundled model a registered server serves, None for others."""
+    if model == TINY_MODEL_NAME:
+        return VOCAB_SIZE
+    if model in {s.model for s in shapes.SHAPES.values()}:
+        return int(shapes.shape_of(model).config["vocab_size"])
+    return None

@@ -322,7 +322,7 @@ class Runner:
             *server_warnings(self.points, self.samples, batch, recomputed=recomputed),
             *client_warnings(self.samples, self.beats, spec.request_rate is not None),
             *dummy_moe(effective_load_format(spec.model, spec.engine.load_format),
-                       local_model_config(self.settings, spec.model)),
+                       local_model_config(self.settings, spec.model, spec.engine.num_layers)),
             *energy_warnings(summary.get("energy")),
         ]
 

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from service.core.servers import WorkerRegister
+from service.core.shapes import PREFIX, SHAPES, ensure_bundled, is_bundled, is_shape
 from service.core.spec import EngineSpec, FillSpec, RunSpec, effective_load_format
-from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model
 from service.settings import Settings
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -35,18 +35,22 @@ def model_vocab_size(model_path: str) -> int | None:
     return int(vocab) if isinstance(vocab, int) else None
 
 
-def local_model_config(settings: Settings, model: str) -> dict[str, Any] | None:
-    """The config.json of a model on this machine (the bundled tiny model or a local
-    directory); None for a hub id, whose config only the vLLM server fetches."""
-    if model == TINY_MODEL_NAME:
-        return read_model_config(ensure_tiny_model(settings.models_dir))
+def local_model_config(settings: Settings, model: str, layers: int | None = None) -> dict[str, Any] | None:
+    """The config.json of a model on this machine (a bundled model, built with ``layers``
+    layers for a shape, or a local directory); None for a hub id, whose config only the
+    vLLM server fetches."""
+    if is_bundled(model):
+        return read_model_config(ensure_bundled(settings.models_dir, model, layers))
     if model.startswith("/"):
         return read_model_config(model)
     return None
 
 
-def kv_transfer_config(control_url: str, token: str, mean: float, std: float) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` that loads the FillConnector, pulling from ``control_url``."""
+def kv_transfer_config(control_url: str, token: str, mean: float, std: float,
+                       startup_fill: bool = False) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` that loads the FillConnector, pulling from ``control_url``;
+    with ``startup_fill`` the connector fills the whole cache with ``mean``/``std`` at start."""
+    extra: dict[str, Any] = {"startup_fill": True} if startup_fill else {}
     return {
         "kv_connector": "FillConnector",
         "kv_connector_module_path": "connector",
@@ -56,6 +60,7 @@ def kv_transfer_config(control_url: str, token: str, mean: float, std: float) ->
             "worker_token": token,
             "fill_mean": mean,
             "fill_std": std,
+            **extra,
         },
     }
 
@@ -75,7 +80,19 @@ def engine_flags(model: str, engine: EngineSpec, on_cpu: bool) -> list[str]:
         flags += ["--load-format", "dummy"]
     if on_cpu:
         flags += ["--enforce-eager"]
+        flags += shape_cpu_flags(model, engine.extra_args)
     return flags + list(engine.extra_args)
+
+
+def shape_cpu_flags(model: str, extra_args: list[str]) -> list[str]:
+    """The flags a bundled shape needs on a CPU (``Shape.cpu_flags``), but for those whose
+    setting the run's ``extra_args`` chose itself (``--x`` or ``--no-x``)."""
+    shape = SHAPES.get(model.removeprefix(PREFIX)) if is_shape(model) else None
+    if shape is None:
+        return []
+    chosen = {a.split("=", 1)[0].removeprefix("--").removeprefix("no-") for a in extra_args}
+    return [flag for flag, _why in shape.cpu_flags
+            if flag.removeprefix("--").removeprefix("no-") not in chosen]
 
 
 def serve_command(body: WorkerRegister, control_url: str, token: str) -> tuple[str, dict[str, Any]]:
@@ -97,12 +114,14 @@ def worker_argv(settings: Settings, spec: RunSpec, port: int, token: str, gpus: 
     """A started worker's argv (never a shell string) and the model path it serves.
     ``host``: the address it listens on; ``models_dir``: where the bundled tiny model is on
     the host that runs it (the service's data dir by default)."""
-    tiny = spec.model == TINY_MODEL_NAME
-    if tiny and models_dir is not None:
-        model_path = str(models_dir / TINY_MODEL_NAME)
+    if is_bundled(spec.model):
+        written = ensure_bundled(settings.models_dir, spec.model, spec.engine.num_layers)
+        # The same place under the host's own models dir (a Ray node writes its copy there).
+        model_path = str(models_dir / written.relative_to(settings.models_dir) if models_dir else written)
     else:
-        model_path = str(ensure_tiny_model(settings.models_dir)) if tiny else spec.model
-    kv_config = kv_transfer_config(settings.control_base_url(), token, spec.fill.mean, spec.fill.std)
+        model_path = spec.model
+    kv_config = kv_transfer_config(settings.control_base_url(), token, spec.fill.mean, spec.fill.std,
+                                   spec.fill.startup)
     argv = [
         *settings.worker_command(),
         "--model", model_path,

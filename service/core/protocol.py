@@ -38,6 +38,9 @@ class RunCounters(Strict):
     blocks_filled: Counter | None = None
     bytes_filled: Counter | None = None
     fill_seconds: Counter | None = None
+    # Blocks filled per KV cache group (its index as a string, JSON's key type).
+    group_blocks: dict[Annotated[str, Field(pattern=r"^[0-9]{1,4}$")], Counter] | None = Field(
+        default=None, max_length=256)
 
 
 class ConnectorReport(Strict):
@@ -47,7 +50,7 @@ class ConnectorReport(Strict):
     rank: Int = Field(ge=0, le=1024)
     runs: dict[Annotated[str, Field(max_length=64)], RunCounters] = Field(max_length=4096)
 
-    def counters(self) -> dict[str, dict[str, float | str]]:
+    def counters(self) -> dict[str, dict[str, Any]]:
         """Per run, the counters that were sent."""
         return {run: c.model_dump(exclude_none=True) for run, c in self.runs.items()}
 
@@ -73,6 +76,11 @@ def connector_totals(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     total["blocks_filled"] = int(max((c.get("blocks_filled", 0) for c in workers), default=0))
     total["bytes_filled"] = int(sum(c.get("bytes_filled", 0) for c in workers))
     total["fill_seconds"] = max((c.get("fill_seconds", 0.0) for c in workers), default=0.0)
+    groups: dict[str, int] = {}
+    for c in workers:
+        for index, blocks in (c.get("group_blocks") or {}).items():
+            groups[index] = max(groups.get(index, 0), int(blocks))
+    total["group_blocks"] = dict(sorted(groups.items(), key=lambda kv: int(kv[0])))
     total["worker_ranks"] = len(workers)
     errors = [str(c["error"]) for c in schedulers if c.get("error")]
     total["error"] = errors[0] if errors else None
@@ -116,6 +124,21 @@ class RooflineFacts(BaseModel):
     device: Words
 
 
+class KVCacheGroup(BaseModel):
+    """One KV cache group of a server, as its connector saw it: the kind of its layers
+    (``FullAttention``, ``SlidingWindow``, ``Mamba``, ...), and how the connector fills its
+    blocks: ``at start`` (startup fill), ``per request``, or ``zeroed per request``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: Annotated[int, Field(ge=0, le=1024)]
+    kind: Words
+    block_size: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
+    sliding_window: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
+    layers: Annotated[int, Field(ge=0, le=100_000)]
+    fill: Literal["at start", "per request", "zeroed per request"]
+
+
 class WorkerProvenance(BaseModel):
     """What a worker's connector reports of the server it runs in, once at its start (see
     ``connector.provenance``). Each side sends its part: the scheduler side everything but
@@ -134,6 +157,7 @@ class WorkerProvenance(BaseModel):
     argv: list[Annotated[str, Field(max_length=8192)]] = Field(default_factory=list, max_length=512)
     env: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=dict, max_length=256)
+    kv_cache_groups: list[KVCacheGroup] = Field(default_factory=list, max_length=256)
     # Sizes and bandwidth for the run's roofline; left out of the record when not reported.
     roofline: RooflineFacts | None = Field(default=None, exclude_if=lambda v: v is None)
 

@@ -42,7 +42,8 @@ def snapshot(
     return {
         "decodebench": dict(facts),
         "mode": mode,
-        "fill": {"mean": fill.get("mean"), "std": fill.get("std")} if mode == "fill" else None,
+        "fill": ({"mean": fill.get("mean"), "std": fill.get("std"), "startup": bool(fill.get("startup"))}
+                 if mode == "fill" else None),
         "prefill": prefill_note(spec),
         "load_format": load_format,
         "weights": "dummy (random values)" if load_format == "dummy" else "real",
@@ -63,6 +64,8 @@ def snapshot(
         "versions": (reported or {}).get("versions"),
         "engine": engine or None,
         "kv_cache": kv or None,
+        # Each KV cache group and how the connector fills it (at start, per request, zeroed).
+        "kv_cache_groups": (reported or {}).get("kv_cache_groups") or None,
         "hardware": (reported or {}).get("hardware"),
         # Model and KV sizes with the device's memory bandwidth (``service.analysis.roofline``).
         "roofline": (reported or {}).get("roofline"),

@@ -23,7 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from service.core.modelconfig import MaxLen, long_max_len_allowed, model_dir_max_len
+from service.core import shapes
+from service.core.modelconfig import MaxLen, long_max_len_allowed, max_len_of, model_dir_max_len
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 
 MAX_INPUT_LEN = 1 << 20
@@ -64,6 +65,12 @@ class FillSpec(Strict):
 
     mean: float = Field(default=0.015, ge=-1e4, le=1e4, allow_inf_nan=False)
     std: float = Field(default=0.0, ge=0.0, le=1e4, allow_inf_nan=False)
+    # Fill the whole KV cache once when the server starts (vLLM's ``startup_fill``) instead
+    # of each request's blocks in the step that schedules it: no fill work inside the
+    # measured steps. Groups the engine zeroes (Mamba hybrids, circular buffers) are still
+    # filled per request. A server property: runs share such a server only with runs of
+    # the same values.
+    startup: bool = False
 
 
 # Allowed ``engine.extra_args`` options and the type of their value (None: a flag).
@@ -114,6 +121,8 @@ class EngineSpec(Strict):
     # "dummy": random weights (vLLM's --load-format dummy), the model from its config.json
     # and tokenizer alone; decode speed depends on the architecture, not the weight values.
     load_format: Literal["auto", "dummy"] = "auto"
+    # Layers a bundled shape (decodebench-shapes/...) is built with; all when None.
+    num_layers: Int | None = Field(default=None, ge=1, le=1024)
 
     @field_validator("extra_args")
     @classmethod
@@ -126,9 +135,10 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 
 
 def effective_load_format(model: str, load_format: str = "auto") -> str:
-    """The weights a server of this model loads: the bundled tiny model has none, so it is
-    always "dummy"; any other model loads what ``engine.load_format`` asks for."""
-    return "dummy" if model == TINY_MODEL_NAME else load_format
+    """The weights a server of this model loads: the bundled models (the tiny model and the
+    shapes) have none, so it is always "dummy"; any other model loads what
+    ``engine.load_format`` asks for."""
+    return "dummy" if shapes.is_bundled(model) else load_format
 
 
 def has_weight_files(model_dir: Path) -> bool:
@@ -246,6 +256,12 @@ class RunSpec(Strict):
     def _model_name(cls, value: str, info: ValidationInfo) -> str:
         if value == TINY_MODEL_NAME:
             return value
+        if shapes.is_shape(value):
+            try:
+                shapes.shape_of(value)
+            except KeyError as exc:
+                raise ValueError(exc.args[0]) from None
+            return value
         if value.startswith("/"):
             path = Path(value)
             if ".." in path.parts or any(c in value for c in "\0\n\r"):
@@ -257,8 +273,9 @@ class RunSpec(Strict):
             return value
         if "://" in value or ".." in value or not _REPO_ID.match(value):
             raise ValueError(
-                "model must be the bundled tiny model, a Hugging Face repo id like "
-                "'org/name', or an absolute path to a local model directory"
+                "model must be the bundled tiny model, a bundled shape (decodebench-shapes/NAME), "
+                "a Hugging Face repo id like 'org/name', or an absolute path to a local model "
+                "directory"
             )
         return value
 
@@ -272,6 +289,20 @@ class RunSpec(Strict):
                 "them, from its config.json and tokenizer (random weights: decode speed "
                 "depends on the architecture, not the weight values)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _layers(self) -> RunSpec:
+        layers = self.engine.num_layers
+        if layers is None:
+            return self
+        if not shapes.is_shape(self.model):
+            raise ValueError("engine.num_layers builds a bundled shape (decodebench-shapes/NAME) with "
+                             f"fewer layers; {self.model!r} is not one")
+        shape = shapes.shape_of(self.model)
+        if layers > shape.layers:
+            raise ValueError(f"engine.num_layers {layers} is more than {self.model}'s {shape.layers} layers")
+        shapes.layer_plan(shape, layers)  # too few for the kinds of layers it mixes: a ValueError
         return self
 
     @model_validator(mode="after")
@@ -320,6 +351,8 @@ class RunSpec(Strict):
         database: its directory may have changed since)."""
         if self.model == TINY_MODEL_NAME:
             return MaxLen(MAX_MODEL_LEN, "the bundled tiny model's max_position_embeddings")
+        if shapes.is_shape(self.model):
+            return max_len_of(shapes.shape_config(shapes.shape_of(self.model), self.engine.num_layers))
         if self.model.startswith("/") and (info is None or not _is_stored(info)):
             return model_dir_max_len(Path(self.model))
         return None
@@ -358,7 +391,7 @@ class RunSpec(Strict):
 
     def worker_key(self) -> str:
         """Runs with equal keys can share one vLLM server."""
-        return worker_key(self.model, self.engine)
+        return worker_key(self.model, self.engine, self.fill)
 
     def trials(self) -> list[RunSpec]:
         """The spec of each of the ``repeats`` trials: trial ``k`` runs with seed
@@ -385,9 +418,15 @@ def point_key(spec: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def worker_key(model: str, engine: EngineSpec) -> str:
-    """Runs and servers with equal keys belong together: one model, one engine configuration."""
-    config = engine.model_dump(exclude={"load_format"})
+def worker_key(model: str, engine: EngineSpec, fill: FillSpec | None = None) -> str:
+    """Runs and servers with equal keys belong together: one model, one engine configuration
+    (and, for a server that fills its KV cache at start, one set of fill values)."""
+    config = engine.model_dump(exclude={"load_format", "num_layers"})
+    # Fields added later are in the key only when set, so keys stored before them still match.
+    if engine.num_layers is not None:
+        config["num_layers"] = engine.num_layers
+    if fill is not None and fill.startup:
+        config["startup_fill"] = {"mean": fill.mean, "std": fill.std}
     # The load format is in the key only where it changes the server: the tiny model loads
     # dummy weights whatever is asked, and keys stored before the field existed (registered
     # servers) still match runs with real weights.

@@ -38,10 +38,11 @@ _CONFIG = {
 }
 
 
-def _tokenizer_json() -> dict[str, object]:
+def tokenizer_json(vocab_size: int = VOCAB_SIZE) -> dict[str, object]:
+    """A word-level tokenizer of ``vocab_size`` ids: three specials, then ``w<id>`` words."""
     specials = ["<unk>", "<s>", "</s>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
-    for i in range(FIRST_ORDINARY_ID, VOCAB_SIZE):
+    for i in range(FIRST_ORDINARY_ID, vocab_size):
         vocab[f"w{i}"] = i
     added = [
         {
@@ -68,7 +69,7 @@ def _tokenizer_json() -> dict[str, object]:
     }
 
 
-_TOKENIZER_CONFIG = {
+TOKENIZER_CONFIG = {
     "tokenizer_class": "PreTrainedTokenizerFast",
     "unk_token": "<unk>",
     "bos_token": "<s>",
@@ -86,8 +87,8 @@ def ensure_tiny_model(models_dir: Path) -> Path:
         return path
     path.mkdir(parents=True, exist_ok=True)
     files = {
-        "tokenizer.json": _tokenizer_json(),
-        "tokenizer_config.json": _TOKENIZER_CONFIG,
+        "tokenizer.json": tokenizer_json(),
+        "tokenizer_config.json": TOKENIZER_CONFIG,
         "generation_config.json": {"bos_token_id": 1, "eos_token_id": 2},
         # config.json last: its presence marks a complete model directory.
         "config.json": _CONFIG,

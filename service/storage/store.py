@@ -226,7 +226,7 @@ def record_pull(engine: Engine, run_id: str) -> None:
 
 
 def record_report(
-    engine: Engine, worker_id: str, source: str, runs: dict[str, dict[str, float | str]]
+    engine: Engine, worker_id: str, source: str, runs: dict[str, dict[str, Any]]
 ) -> int:
     """Store a connector's cumulative counters for the runs this worker served; return how
     many changed (counters a side sent before, unchanged, are not written again)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.web.api import compare, connector, exports, health, imports, runs, sweeps, workers
+from service.web.api import compare, connector, exports, health, imports, models, runs, sweeps, workers
 
 router = APIRouter()
-for part in (runs, exports, imports, sweeps, compare, workers, connector, health):
+for part in (runs, exports, imports, sweeps, compare, workers, models, connector, health):
     router.include_router(part.router)

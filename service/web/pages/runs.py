@@ -19,6 +19,7 @@ from sqlalchemy import Engine
 from service.analysis import comparison, server_metrics
 from service.analysis.metrics import measured
 from service.core.protocol import connector_totals
+from service.core.shapes import catalogue
 from service.core.spec import EXTRA_ARGS, EngineSpec, effective_load_format, worker_key
 from service.core.status import FINISHED, RunStatus
 from service.storage import measurements, store, sweeps, workers
@@ -111,6 +112,7 @@ def index(
             "ended_workers": workers.ended_workers(engine, RECENT_ENDED_WORKERS) if page == 1 else [],
             "cluster": cluster,
             "extra_args": sorted(EXTRA_ARGS),
+            "shapes": catalogue(),
         },
     )
 

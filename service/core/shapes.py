@@ -1,0 +1,289 @@
+"""Bundled model shapes: published architectures' configs, served with dummy weights.
+
+A shape is a real model's ``config.json`` (its layers, widths, heads, KV heads, head
+dim, vocabulary, window pattern, experts: the numbers its publisher gives) written
+locally beside a word-level tokenizer as large as its vocabulary, so that a run measures
+decode on the architecture people serve with no download and no weights
+(``--load-format dummy``: decode speed depends on the shape, not on weight values).
+
+A run names one as ``decodebench-shapes/<name>``; ``engine.num_layers`` builds it with
+fewer layers (tests stay small) and keeps every kind of layer the shape has (see
+:func:`layer_plan`). The special token ids of each config are the bundled tokenizer's,
+not the publisher's: the tokenizer is ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.core import tinymodel
+
+PREFIX = "decodebench-shapes/"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One published architecture as decodebench serves it."""
+
+    name: str
+    # The published model whose config.json these dimensions are.
+    source: str
+    # What the shape stands for: "gqa", "sliding-window", "mamba-hybrid", "moe".
+    family: str
+    summary: str
+    config: dict[str, Any]
+    # The config key holding the per-layer kinds, when the shape mixes kinds of layers.
+    layer_types_key: str | None = None
+    # vLLM flags a server of this shape gets on a CPU unless the run's extra_args say
+    # otherwise, each with the reason (a defect of the pinned vLLM CPU build it avoids).
+    cpu_flags: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def model(self) -> str:
+        """The name a run gives as its model."""
+        return PREFIX + self.name
+
+    @property
+    def layers(self) -> int:
+        """The published number of layers."""
+        return int(self.config["num_hidden_layers"])
+
+    def layer_kinds(self) -> list[str]:
+        """The kind of each published layer (one kind for a uniform stack)."""
+        if self.layer_types_key is None:
+            return ["decoder"] * self.layers
+        return list(self.config[self.layer_types_key])
+
+    def mixture_of_experts(self) -> bool:
+        """Whether the shape routes tokens to experts."""
+        return int(self.config.get("num_experts") or self.config.get("num_local_experts") or 0) > 0
+
+
+def _gemma3_layer_types(layers: int, pattern: int) -> list[str]:
+    # Every ``pattern``-th layer attends globally, the others over the sliding window.
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+
+
+# Granite 4.0-H-350M: 28 Mamba2 layers and 4 of attention, in the published order.
+_GRANITE_LAYERS = (["mamba"] * 10 + ["attention"] + ["mamba"] * 2 + ["attention"] + ["mamba"] * 3
+                   + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 4)
+
+SHAPES: dict[str, Shape] = {s.name: s for s in (
+    Shape(
+        name="smollm2-135m",
+        source="HuggingFaceTB/SmolLM2-135M",
+        family="gqa",
+        summary="Llama-style GQA, 30 layers, 9 query / 3 KV heads, head dim 64",
+        config={
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+            "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+            "rope_theta": 100000.0, "vocab_size": 49152, "tie_word_embeddings": True,
+        },
+    ),
+    Shape(
+        name="llama-3.2-1b",
+        source="meta-llama/Llama-3.2-1B",
+        family="gqa",
+        summary="Llama 3 GQA, 16 layers, 32 query / 8 KV heads, head dim 64, 128k context",
+        config={
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+            "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "vocab_size": 128256, "tie_word_embeddings": True,
+        },
+    ),
+    Shape(
+        name="qwen2.5-0.5b",
+        source="Qwen/Qwen2.5-0.5B",
+        family="gqa",
+        summary="Qwen2.5 GQA with q/k/v bias, 24 layers, 14 query / 2 KV heads, head dim 64",
+        config={
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_act": "silu",
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 24,
+            "vocab_size": 151936, "tie_word_embeddings": True,
+        },
+    ),
+    Shape(
+        name="gemma-3-1b",
+        source="google/gemma-3-1b-it",
+        family="sliding-window",
+        summary="Gemma 3: 5 local (window 512) : 1 global layers, 26 layers, 4 query / 1 KV head, "
+                "head dim 256; two KV cache groups",
+        config={
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+            "sliding_window": 512, "sliding_window_pattern": 6,
+            "layer_types": _gemma3_layer_types(26, 6),
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+            "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            "attention_bias": False, "vocab_size": 262144, "tie_word_embeddings": True,
+        },
+        layer_types_key="layer_types",
+    ),
+    Shape(
+        name="granite-4.0-h-350m",
+        source="ibm-granite/granite-4.0-h-350m",
+        family="mamba-hybrid",
+        summary="Granite 4.0-H: 28 Mamba2 + 4 attention layers (no positional encoding), "
+                "12 query / 4 KV heads; Mamba state and KV cache groups",
+        config={
+            "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+            "hidden_size": 768, "intermediate_size": 2048, "shared_intermediate_size": 2048,
+            "num_hidden_layers": 32, "layer_types": _GRANITE_LAYERS,
+            "num_attention_heads": 12, "num_key_value_heads": 4, "attention_bias": False,
+            "attention_multiplier": 0.015625, "embedding_multiplier": 12.0,
+            "logits_scaling": 3.0, "residual_multiplier": 0.246,
+            "mamba_n_heads": 48, "mamba_d_head": 32, "mamba_d_state": 128, "mamba_n_groups": 1,
+            "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+            "mamba_conv_bias": True, "mamba_proj_bias": False,
+            "num_local_experts": 0, "num_experts_per_tok": 0,
+            "position_embedding_type": "nope", "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+            "vocab_size": 100352, "tie_word_embeddings": True,
+        },
+        layer_types_key="layer_types",
+        # With prefix caching on, vLLM 0.32's CPU build keeps Mamba state in "align" mode, and
+        # a real prefill longer than one attention block (896 tokens here) then fails in the
+        # Mamba2 mixer ("IndexError: index 7 is out of bounds for dimension 0 with size 1"),
+        # killing the engine; decode after a fill works either way.
+        cpu_flags=(("--no-enable-prefix-caching",
+                    "vLLM 0.32 on CPU fails a real prefill of a Mamba hybrid longer than one "
+                    "attention block while prefix caching keeps Mamba state aligned"),),
+    ),
+    Shape(
+        name="qwen3-30b-a3b",
+        source="Qwen/Qwen3-30B-A3B",
+        family="moe",
+        summary="Qwen3 mixture of experts: 128 experts, 8 per token, 48 layers, 32 query / "
+                "4 KV heads, head dim 128",
+        config={
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+            "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+            "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": 48,
+            "vocab_size": 151936, "tie_word_embeddings": False,
+        },
+    ),
+)}
+
+
+def is_shape(model: str) -> bool:
+    """Whether ``model`` names a bundled shape (known or not)."""
+    return model.startswith(PREFIX)
+
+
+def shape_of(model: str) -> Shape:
+    """The bundled shape ``model`` names; ``KeyError`` with the known names if none."""
+    name = model.removeprefix(PREFIX)
+    if not is_shape(model) or name not in SHAPES:
+        known = ", ".join(s.model for s in SHAPES.values())
+        raise KeyError(f"no bundled shape {model!r} (known: {known})")
+    return SHAPES[name]
+
+
+def layer_plan(shape: Shape, layers: int | None) -> list[str]:
+    """The kinds of the layers a shape is built with: the published ones, or the first
+    ``layers`` of them with the last ones swapped for any kind that would go missing, so
+    a reduced Gemma 3 keeps a global layer and a reduced Granite an attention layer."""
+    kinds = shape.layer_kinds()
+    if layers is None or layers >= len(kinds):
+        return kinds
+    distinct = list(dict.fromkeys(kinds))
+    if layers < len(distinct):
+        raise ValueError(f"{shape.model} mixes {len(distinct)} kinds of layers ({', '.join(distinct)}): "
+                         f"engine.num_layers must be at least {len(distinct)}")
+    plan = kinds[:layers]
+    missing = [k for k in distinct if k not in plan]
+    for i, kind in enumerate(missing):
+        plan[layers - 1 - i] = kind
+    return plan
+
+
+def shape_config(shape: Shape, layers: int | None) -> dict[str, Any]:
+    """The config.json of a shape built with ``layers`` layers (all when None)."""
+    plan = layer_plan(shape, layers)
+    config = {**shape.config, "num_hidden_layers": len(plan),
+              "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16"}
+    if shape.layer_types_key is not None:
+        config[shape.layer_types_key] = plan
+    if shape.config.get("max_window_layers") is not None:
+        config["max_window_layers"] = len(plan)
+    return config
+
+
+def directory_name(shape: Shape, layers: int | None) -> str:
+    """The shape's directory under the models dir: one per layer count."""
+    if layers is None or layers >= shape.layers:
+        return shape.name
+    return f"{shape.name}-{layers}l"
+
+
+def ensure_shape(models_dir: Path, model: str, layers: int | None = None) -> Path:
+    """Write a shape's files under ``models_dir`` unless present; return its directory."""
+    shape = shape_of(model)
+    path = models_dir / PREFIX.rstrip("/") / directory_name(shape, layers)
+    config = shape_config(shape, layers)
+    marker = path / "config.json"
+    try:
+        if json.loads(marker.read_text()) == config:
+            return path
+    except (OSError, ValueError):
+        pass  # not written yet, or by a version with other dimensions: written again
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = int(config["vocab_size"])
+    files = {
+        "tokenizer.json": tinymodel.tokenizer_json(vocab),
+        "tokenizer_config.json": {**tinymodel.TOKENIZER_CONFIG,
+                                  "model_max_length": int(config["max_position_embeddings"])},
+        "generation_config.json": {"bos_token_id": 1, "eos_token_id": 2},
+        # config.json last: its presence marks a complete model directory.
+        "config.json": config,
+    }
+    for name, content in files.items():
+        tmp = path / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(content))
+        os.replace(tmp, path / name)
+    return path
+
+
+def catalogue() -> list[dict[str, Any]]:
+    """Every bundled shape as the pages, the CLI and the API list them."""
+    return [{
+        "model": s.model, "source": s.source, "family": s.family, "summary": s.summary,
+        "layers": s.layers, "vocab_size": s.config["vocab_size"],
+        "max_position_embeddings": s.config["max_position_embeddings"],
+        "cpu_flags": [{"flag": flag, "why": why} for flag, why in s.cpu_flags],
+    } for s in SHAPES.values()]
+
+
+def is_bundled(model: str) -> bool:
+    """Whether the service writes ``model``'s files itself (the tiny model or a shape):
+    such a model has no weights and is served with dummy ones."""
+    return model == tinymodel.TINY_MODEL_NAME or is_shape(model)
+
+
+def ensure_bundled(models_dir: Path, model: str, layers: int | None = None) -> Path:
+    """The directory of a bundled model under ``models_dir``, written if missing."""
+    if model == tinymodel.TINY_MODEL_NAME:
+        return tinymodel.ensure_tiny_model(models_dir)
+    return ensure_shape(models_dir, model, layers)

@@ -1,0 +1,142 @@
+"""Each bundled architecture family end to end on a real vLLM (CPU) server, reduced in depth.
+
+One service process for the module. Per family: a fill run succeeds with the connector's
+account whole (every request filled; per KV cache group the blocks expected, a sliding
+window group only its window's), its greedy tokens equal those of vLLM's own
+``DecodeBenchConnector`` on the same prompts (a plain vLLM server the test starts on the
+same model files), and a prefill run on the same server succeeds. Families run one after
+the other: on a CPU the service keeps one server and stops the idle one for the next.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.core import shapes
+from service.core.spec import RunSpec
+from service.load.generator import make_plan
+from tests.conftest import wait_finished, wait_for
+from tests.vllm_process import real_service, start_vllm, stop, wait_healthy
+
+pytestmark = pytest.mark.e2e
+
+INPUT_LEN = 2048
+OUTPUT_LEN = 8
+PROMPTS = 3
+FILL_MEAN = 0.7
+
+# (shape, layers, engine overrides): the fewest layers that keep every kind of layer the
+# family has; bfloat16 halves the memory of the large vocabularies.
+FAMILIES = [
+    ("smollm2-135m", 2, {}),
+    ("qwen2.5-0.5b", 2, {}),
+    ("gemma-3-1b", 6, {}),
+    ("granite-4.0-h-350m", 4, {}),
+    # One MoE layer of 128 experts is 0.6 B parameters: the server needs more memory.
+    ("qwen3-30b-a3b", 1, {"gpu_memory_utilization": 0.45}),
+]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    with real_service(tmp_path_factory.mktemp("shapes") / "var") as client:
+        yield client
+
+
+def _spec(name: str, layers: int, engine: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": shapes.PREFIX + name, "input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
+            "num_prompts": PROMPTS, "max_concurrency": 1, "seed": 5,
+            "engine": {"num_layers": layers, "dtype": "bfloat16", **engine}, **extra}
+
+
+def _run(client: httpx.Client, spec: dict[str, Any]) -> dict[str, Any]:
+    response = client.post("/api/runs", json=spec)
+    assert response.status_code == 201, response.text
+    done = wait_finished(client, response.json()["id"], timeout=900)
+    assert done["status"] == "succeeded", done["error"]
+    return done
+
+
+def _texts(client: httpx.Client, run_id: str) -> list[str]:
+    samples = client.get(f"/api/runs/{run_id}/requests").json()
+    return [s["generated_text"] for s in sorted(samples, key=lambda s: s["index"])]
+
+
+def _reference_texts(model_dir: Path, served: str, spec: dict[str, Any], log_path: Path) -> list[str]:
+    """What vLLM's own DecodeBenchConnector generates, greedily, for the run's prompts."""
+    config = json.dumps({"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both",
+                         "kv_connector_extra_config": {"fill_mean": FILL_MEAN, "fill_std": 0.0}})
+    proc, url = start_vllm(model_dir, log_path, "--kv-transfer-config", config, served_name=served,
+                           dtype="bfloat16", kv_bytes=1 << 29)
+    try:
+        wait_healthy(proc, url, log_path)
+        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        plan = make_plan(RunSpec(**spec), vocab)
+        texts = []
+        for position in range(plan.warmups, len(plan.input_lens)):
+            body = {"model": served, "prompt": plan.prompt(position), "temperature": 0.0,
+                    "max_tokens": int(plan.output_lens[position]), "ignore_eos": True}
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+            assert response.status_code == 200, response.text
+            texts.append(response.json()["choices"][0]["text"])
+        return texts
+    finally:
+        stop(proc)
+
+
+def _expected_blocks(group: dict[str, Any]) -> tuple[int, int]:
+    """The fewest and most blocks the connector should fill in a group over the run."""
+    filled_tokens = INPUT_LEN - 1  # every prompt token but the last, which decode computes
+    size = int(group["block_size"])
+    if group["kind"] == "FullAttention":
+        blocks = math.ceil(filled_tokens / size)
+        return PROMPTS * blocks, PROMPTS * blocks
+    if group["kind"] == "SlidingWindow":
+        # Only the blocks the window still reaches; the ones before it are vLLM's null block.
+        window = int(group["sliding_window"])
+        return PROMPTS, PROMPTS * (math.ceil(window / size) + 1)
+    # A state group (Mamba): the request's own state block(s).
+    return PROMPTS, PROMPTS * math.ceil(filled_tokens / size)
+
+
+@pytest.mark.parametrize(("name", "layers", "engine"), FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_a_family_fills_like_vllm_and_prefills_on_one_server(
+    service: httpx.Client, tmp_path: Path, name: str, layers: int, engine: dict[str, Any]
+) -> None:
+    spec = _spec(name, layers, engine, fill={"mean": FILL_MEAN, "std": 0.0})
+    fill = _run(service, spec)
+    report = wait_for(service, fill["id"], lambda r: r["connector"].get("requests_filled") == PROMPTS,
+                      timeout=15)["connector"]
+    assert report["filled_requests"] == PROMPTS and report["other_requests"] == 0
+    groups = fill["provenance"]["kv_cache_groups"]
+    assert groups, "the connector described the server's KV cache groups"
+    kinds = {g["kind"] for g in groups}
+    shape = shapes.shape_of(spec["model"])
+    if shape.family == "sliding-window":
+        assert kinds == {"FullAttention", "SlidingWindow"}
+    elif shape.family == "mamba-hybrid":
+        assert "FullAttention" in kinds and any("Mamba" in k for k in kinds)
+    else:
+        assert kinds == {"FullAttention"}
+    for group in groups:
+        assert group["fill"] == "per request"
+        low, high = _expected_blocks(group)
+        got = report["group_blocks"].get(str(group["index"]), 0)
+        assert low <= got <= high, (group, got)
+
+    model_dir = shapes.ensure_shape(tmp_path / "models", spec["model"], layers)
+    expected = _reference_texts(model_dir, spec["model"], spec, tmp_path / "upstream.log")
+    assert _texts(service, fill["id"]) == expected
+
+    prefill = _run(service, {**spec, "mode": "prefill", "seed": 6})
+    assert prefill["worker_id"] == fill["worker_id"]  # one server for both modes
+    report = wait_for(service, prefill["id"],
+                      lambda r: r["connector"].get("prefill_requests") == PROMPTS, timeout=15)["connector"]
+    assert report["filled_requests"] == 0 and report["requests_filled"] == 0

@@ -1,0 +1,139 @@
+"""Bundled shapes: the configs written, the layer reductions, how a run names one, and where
+the service lists them. The servers themselves run in test_e2e_shapes.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from service.cli import vllm_flags
+from service.cli.commands import cli
+from service.control.vllm_cli import engine_flags, kv_transfer_config, worker_argv
+from service.core import shapes
+from service.core.spec import EngineSpec, RunSpec, worker_key
+from service.core.tinymodel import TINY_MODEL_NAME
+from tests.conftest import make_settings
+
+GEMMA = "decodebench-shapes/gemma-3-1b"
+GRANITE = "decodebench-shapes/granite-4.0-h-350m"
+
+
+def test_every_shape_is_one_of_the_families_people_serve() -> None:
+    families = {s.family for s in shapes.SHAPES.values()}
+    assert families == {"gqa", "sliding-window", "mamba-hybrid", "moe"}
+    assert shapes.shape_of("decodebench-shapes/qwen3-30b-a3b").mixture_of_experts()
+    assert not shapes.shape_of("decodebench-shapes/qwen2.5-0.5b").mixture_of_experts()
+
+
+def test_a_full_depth_shape_keeps_its_published_dimensions(tmp_path: Path) -> None:
+    path = shapes.ensure_shape(tmp_path, GEMMA)
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 26 and config["sliding_window"] == 512
+    assert config["layer_types"].count("full_attention") == 4  # every 6th layer of 26
+    assert (config["hidden_size"], config["num_key_value_heads"], config["head_dim"]) == (1152, 1, 256)
+
+
+def test_the_tokenizer_covers_the_whole_vocabulary(tmp_path: Path) -> None:
+    path = shapes.ensure_shape(tmp_path, "decodebench-shapes/smollm2-135m", 2)
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(vocab) == 49152 and vocab["w49151"] == 49151
+
+
+@pytest.mark.parametrize(("model", "layers", "kinds"), [
+    (GEMMA, 6, {"sliding_attention": 5, "full_attention": 1}),
+    (GEMMA, 2, {"sliding_attention": 1, "full_attention": 1}),
+    (GRANITE, 4, {"mamba": 3, "attention": 1}),
+    (GRANITE, 11, {"mamba": 10, "attention": 1}),
+    ("decodebench-shapes/qwen3-30b-a3b", 1, {"decoder": 1}),
+])
+def test_a_reduced_shape_keeps_every_kind_of_layer(model: str, layers: int, kinds: dict[str, int]) -> None:
+    plan = shapes.layer_plan(shapes.shape_of(model), layers)
+    assert len(plan) == layers
+    assert {k: plan.count(k) for k in set(plan)} == kinds
+
+
+def test_a_rewritten_shape_replaces_a_stale_config(tmp_path: Path) -> None:
+    path = shapes.ensure_shape(tmp_path, GEMMA, 6)
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 99}))
+    assert json.loads((shapes.ensure_shape(tmp_path, GEMMA, 6) / "config.json").read_text())[
+        "num_hidden_layers"] == 6
+
+
+def _refusal(**spec: Any) -> str:
+    with pytest.raises(ValidationError) as info:
+        RunSpec(**spec)
+    return str(info.value)
+
+
+def test_an_unknown_shape_is_refused_with_the_known_ones() -> None:
+    message = _refusal(model="decodebench-shapes/llama-9000")
+    assert "no bundled shape" in message and GEMMA in message
+
+
+def test_num_layers_is_refused_for_a_model_that_is_not_a_shape_and_beyond_the_shapes_depth() -> None:
+    assert "not one" in _refusal(model=TINY_MODEL_NAME, engine={"num_layers": 2})
+    assert "more than" in _refusal(model=GEMMA, engine={"num_layers": 27})
+    assert "at least 2" in _refusal(model=GRANITE, engine={"num_layers": 1})
+
+
+def test_a_run_longer_than_the_shapes_context_is_refused() -> None:
+    assert "8192" in _refusal(model="decodebench-shapes/smollm2-135m", input_len=8192, output_len=8)
+
+
+def test_a_shape_is_served_with_dummy_weights_from_its_own_directory(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path)
+    spec = RunSpec(model=GEMMA, engine=EngineSpec(num_layers=6))
+    argv, model_path = worker_argv(settings, spec, 8000, "t" * 32, [])
+    assert model_path == str(settings.models_dir / "decodebench-shapes" / "gemma-3-1b-6l")
+    assert argv[argv.index("--load-format") + 1] == "dummy"
+    assert argv[argv.index("--served-model-name") + 1] == GEMMA
+
+
+def test_a_mamba_hybrid_on_a_cpu_runs_without_prefix_caching_unless_the_run_says() -> None:
+    assert "--no-enable-prefix-caching" in engine_flags(GRANITE, EngineSpec(), on_cpu=True)
+    assert "--no-enable-prefix-caching" not in engine_flags(GRANITE, EngineSpec(), on_cpu=False)
+    chosen = engine_flags(GRANITE, EngineSpec(extra_args=["--enable-prefix-caching"]), on_cpu=True)
+    assert "--no-enable-prefix-caching" not in chosen and "--enable-prefix-caching" in chosen
+
+
+def test_startup_fill_goes_to_the_connector_and_apart_in_the_server_key() -> None:
+    extra = kv_transfer_config("http://x", "t", 0.5, 0.0, startup_fill=True)["kv_connector_extra_config"]
+    assert extra["startup_fill"] is True and extra["fill_mean"] == 0.5
+    per_request = RunSpec(fill={"mean": 0.5})
+    at_start = RunSpec(fill={"mean": 0.5, "startup": True})
+    other_values = RunSpec(fill={"mean": 0.7, "startup": True})
+    assert per_request.worker_key() == RunSpec(fill={"mean": 0.7}).worker_key()  # values pulled per run
+    assert len({per_request.worker_key(), at_start.worker_key(), other_values.worker_key()}) == 3
+
+
+def test_server_keys_stored_before_the_new_engine_fields_still_match() -> None:
+    stored = json.dumps({"model": "m", "engine": {"dtype": None, "extra_args": [],
+                                                  "gpu_memory_utilization": None, "max_model_len": None,
+                                                  "tensor_parallel_size": 1}}, sort_keys=True)
+    assert worker_key("m", EngineSpec()) == stored
+
+
+def test_the_api_and_the_index_page_list_the_shapes(client: TestClient) -> None:
+    listed = client.get("/api/models").json()
+    assert [s["model"] for s in listed["shapes"]] == [s.model for s in shapes.SHAPES.values()]
+    page = client.get("/").text
+    for shape in shapes.SHAPES.values():
+        assert shape.model in page
+
+
+def test_the_command_line_names_the_same_shapes_and_builds_their_runs() -> None:
+    assert set(vllm_flags.BUNDLED_SHAPES) == set(shapes.SHAPES)
+    help_text = CliRunner().invoke(cli, ["bench", "serve", "--help"], terminal_width=400).output
+    assert all(f"decodebench-shapes/{name}" in help_text for name in shapes.SHAPES)
+    values = {"model": GEMMA, "input_len": 10, "output_len": 2, "random_range_ratio": 0.0,
+              "num_prompts": 1, "burstiness": 1.0, "num_warmups": 0, "seed": 0, "mode": "fill",
+              "fill_mean": 0.1, "fill_std": 0.0, "repeats": 1, "num_layers": 6, "fill_at_start": True}
+    spec = vllm_flags.run_spec(values)
+    assert spec["engine"]["num_layers"] == 6 and spec["fill"]["startup"] is True
+    RunSpec(**spec)  # the service takes it

@@ -1,0 +1,106 @@
+"""Real processes for end-to-end tests: the service (``python -m service``) with no stub
+vLLM command, and plain vLLM CPU servers started by the test itself as references."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import API_TOKEN, AUTH
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def real_service(data_dir: Path, **env_extra: str) -> Iterator[httpx.Client]:
+    """The service as a real process that starts real vLLM servers; stopped with SIGTERM."""
+    port = free_port()
+    env = {**os.environ, "DECODEBENCH_DATA_DIR": str(data_dir), "DECODEBENCH_PORT": str(port),
+           "DECODEBENCH_GPUS": "", "DECODEBENCH_API_TOKEN": API_TOKEN, **env_extra}
+    env.pop("DECODEBENCH_VLLM_COMMAND", None)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir.parent / "service.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=30)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if client.get("/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "service did not come up"
+            time.sleep(0.2)
+        yield client
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, dtype: str = "float32",
+               kv_bytes: int = 1 << 30) -> tuple[subprocess.Popen[bytes], str]:
+    """A plain vLLM server on ``model_dir`` with dummy weights, in a session of its own."""
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--load-format", "dummy", "--enforce-eager",
+            # A fixed KV cache (1 GiB by default) leaves room for the service's own server.
+            "--kv-cache-memory-bytes", str(kv_bytes), *extra]
+    # The connector package is importable the way a user installs it next to vLLM.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
+    """Wait until a server answers /health; fail with its log's end if it exits or hangs."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "vLLM server did not come up"
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server's whole session: SIGTERM, then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
