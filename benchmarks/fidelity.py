@@ -68,8 +68,9 @@ from service.analysis.metrics import decode_stats, is_bunched, summarize  # noqa
 from service.control.cpu_binding import BINDING_VARS, binding_env  # noqa: E402
 from service.control.vllm_cli import engine_flags  # noqa: E402
 from service.core.sample import Sample  # noqa: E402
+from service.core.shapes import ensure_bundled  # noqa: E402
 from service.core.spec import EngineSpec  # noqa: E402
-from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
+from service.core.tinymodel import TINY_MODEL_NAME  # noqa: E402
 
 TOKEN = "fidelity-benchmark-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -108,12 +109,12 @@ def _pause(pgid: int, paused: bool) -> None:
 
 
 @contextlib.contextmanager
-def reference_server(model_dir: Path, work: Path) -> Iterator[tuple[str, int]]:
+def reference_server(model_dir: Path, work: Path, args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """A vLLM server with the product worker's engine flags and CPU binding, no connector."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", TINY_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            *engine_flags(TINY_MODEL_NAME, EngineSpec(), on_cpu=True)]
+            "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port),
+            *engine_flags(args.model, engine(args), on_cpu=True)]
     env = {**os.environ, **binding_env(1, os.environ)}
     log = work / "reference.log"
     with log.open("wb") as out:
@@ -193,6 +194,11 @@ def _trial(samples: list[Sample], duration: float, concurrency: int) -> Trial:
     )
 
 
+def engine(args: argparse.Namespace) -> EngineSpec:
+    """The engine of every arm: the model's layers and dtype as asked."""
+    return EngineSpec(num_layers=args.num_layers, dtype=args.dtype, max_model_len=args.max_model_len)
+
+
 def run_reference(url: str, model_dir: Path, point: Point, args: argparse.Namespace, seed: int,
                   work: Path) -> Trial:
     """``vllm bench serve`` with the random dataset, exactly as a user would run it."""
@@ -203,7 +209,7 @@ def run_reference(url: str, model_dir: Path, point: Point, args: argparse.Namesp
     add_cli_args(parser)
     ns = parser.parse_args([
         "--backend", "openai", "--base-url", url, "--model", str(model_dir),
-        "--served-model-name", TINY_MODEL_NAME, "--dataset-name", "random",
+        "--served-model-name", args.model, "--dataset-name", "random",
         "--random-input-len", str(point.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(args.prompts), "--max-concurrency", str(point.concurrency),
         "--seed", str(seed), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
@@ -231,13 +237,14 @@ def run_client(url: str, point: Point, args: argparse.Namespace, seed: int, tag:
     from service.core.spec import RunSpec
     from service.load.generator import LoadGenerator, make_plan
 
-    spec = RunSpec(input_len=point.input_len, output_len=args.output_len, num_prompts=args.prompts,
+    spec = RunSpec(model=args.model, engine=engine(args), input_len=point.input_len,
+                   output_len=args.output_len, num_prompts=args.prompts,
                    max_concurrency=point.concurrency, seed=seed)
-    plan = make_plan(spec, 8192)
+    plan = make_plan(spec, args.vocab_size)
     samples: list[Sample] = []
 
     async def go() -> float:
-        generator = LoadGenerator(url, TINY_MODEL_NAME, tag, point.concurrency, 600)
+        generator = LoadGenerator(url, args.model, tag, point.concurrency, 3600)
         try:
             return await generator.measure(plan, samples.append)
         finally:
@@ -248,7 +255,8 @@ def run_client(url: str, point: Point, args: argparse.Namespace, seed: int, tag:
 
 def run_product(client: httpx.Client, point: Point, args: argparse.Namespace, seed: int) -> Trial:
     """A decodebench fill run through the REST API."""
-    spec = {"input_len": point.input_len, "output_len": args.output_len, "num_prompts": args.prompts,
+    spec = {"model": args.model, "engine": engine(args).model_dump(exclude_defaults=True),
+            "input_len": point.input_len, "output_len": args.output_len, "num_prompts": args.prompts,
             "max_concurrency": point.concurrency, "seed": seed, "mode": "fill"}
     run = _finish(client, client.post("/api/runs", json=spec).json())
     rows = client.get(f"/api/runs/{run['id']}/requests").json()
@@ -350,6 +358,11 @@ def report(points: list[Point], arms: list[str]) -> None:
 def main() -> None:
     """Measure the arms at every point, interleaved, and print the tables."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", default=TINY_MODEL_NAME,
+                        help="a bundled model: the tiny one or decodebench-shapes/NAME")
+    parser.add_argument("--num-layers", type=int, default=None, help="a shape's layers (default all)")
+    parser.add_argument("--dtype", default=None, help="the engine's dtype (default float32 on a CPU)")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--input-lens", default="1024,4096,16384,32768")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--trials", type=int, default=5)
@@ -369,23 +382,26 @@ def main() -> None:
     order = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
         work = Path(tmp)
-        model_dir = ensure_tiny_model(work / "models")
+        model_dir = ensure_bundled(work / "models", args.model, args.num_layers)
+        args.vocab_size = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         with contextlib.ExitStack() as stack:
             api = stack.enter_context(service(work, extra_env)) if "product" in arms else None
             worker_pgid = None
             if api is not None:
                 # A first run starts the service's worker; its pid lets us pause it between arms.
-                _finish(api, api.post("/api/runs", json={"input_len": 64, "output_len": 4,
-                                                          "num_prompts": 1}).json())
+                _finish(api, api.post("/api/runs", json={
+                    "model": args.model, "engine": engine(args).model_dump(exclude_defaults=True),
+                    "input_len": 64, "output_len": 4, "num_prompts": 1}).json())
                 (worker,) = [w for w in api.get("/api/workers").json() if w["status"] == "ready"]
                 worker_pgid = worker["pid"]
                 print(f"product worker binding: {json.dumps(worker['cpu_binding'])}", file=sys.stderr)
                 _pause(worker_pgid, True)
-            url, ref_pgid = stack.enter_context(reference_server(model_dir, work))
+            url, ref_pgid = stack.enter_context(reference_server(model_dir, work, args))
             print("reference binding: "
                   + json.dumps({k: binding_env(1, os.environ)[k] for k in BINDING_VARS}), file=sys.stderr)
             # Warm the reference up the way the product's first run warmed its worker.
-            run_client(url, Point(64, 1), argparse.Namespace(output_len=4, prompts=1), 1, "warm")
+            run_client(url, Point(64, 1), argparse.Namespace(**{**vars(args), "output_len": 4, "prompts": 1}),
+                       1, "warm")
             seed = args.seed
             started = time.monotonic()
             for trial in range(args.trials):

@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.core.protocol import (
     ConnectorReport,
     FillAnswer,
+    KVCacheGroup,
     RunCounters,
     WorkerProvenance,
 )
@@ -98,6 +99,8 @@ class Connector:
             versions={"vllm": "0.0.0-stub", "torch": None, "python": sys.version.split()[0]},
             engine=self.engine,
             kv_cache={"num_blocks": 100000, "block_size": 16, "tokens": 1_600_000},
+            kv_cache_groups=[KVCacheGroup(index=0, kind="FullAttention", block_size=16, layers=2,
+                                          fill="per request")],
             hardware={"cpu_model": "Stub CPU", "cpu_cores": os.cpu_count(),
                       "cpu_cores_usable": len(os.sched_getaffinity(0)), "machine": "x86_64"},
             argv=argv,

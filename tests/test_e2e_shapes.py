@@ -140,3 +140,22 @@ def test_a_family_fills_like_vllm_and_prefills_on_one_server(
     report = wait_for(service, prefill["id"],
                       lambda r: r["connector"].get("prefill_requests") == PROMPTS, timeout=15)["connector"]
     assert report["filled_requests"] == 0 and report["requests_filled"] == 0
+
+
+def test_startup_fill_writes_nothing_per_request_and_decodes_what_a_per_request_fill_does(
+    service: httpx.Client,
+) -> None:
+    spec = _spec("gemma-3-1b", 6, {}, seed=9, fill={"mean": FILL_MEAN, "std": 0.0})
+    per_request = _run(service, spec)
+    at_start = _run(service, {**spec, "fill": {"mean": FILL_MEAN, "std": 0.0, "startup": True}})
+    assert at_start["worker_id"] != per_request["worker_id"]  # a server property: its own server
+    groups = at_start["provenance"]["kv_cache_groups"]
+    assert {g["kind"] for g in groups} == {"FullAttention", "SlidingWindow"}
+    assert all(g["fill"] == "at start" for g in groups)
+    assert at_start["provenance"]["fill"]["startup"] is True
+    report = wait_for(service, at_start["id"], lambda r: r["connector"].get("requests_filled") == PROMPTS,
+                      timeout=15)["connector"]
+    assert report["filled_requests"] == PROMPTS and report["other_requests"] == 0
+    assert report["blocks_filled"] == 0 and report["bytes_filled"] == 0
+    # A fresh server hands out blocks no request wrote yet: they hold the startup values.
+    assert _texts(service, at_start["id"]) == _texts(service, per_request["id"])

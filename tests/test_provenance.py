@@ -66,6 +66,8 @@ def test_a_run_records_its_workers_provenance_as_the_connector_reported_it(
     assert prov["mode"] == "fill" and prov["fill"] == {"mean": 0.25, "std": 0.5, "startup": False}
     assert prov["prefill"].startswith("filled")
     assert prov["load_format"] == "dummy" and prov["weights"].startswith("dummy")
+    assert prov["kv_cache_groups"] == [{"index": 0, "kind": "FullAttention", "block_size": 16,
+                                        "sliding_window": None, "layers": 2, "fill": "per request"}]
     assert prov["kv_cache_tokens"] == 100_000 * 16  # the server's cache_config_info
     worker = prov["worker"]
     assert worker["id"] == run["worker_id"] and worker["external"] is False
@@ -143,6 +145,7 @@ def test_the_run_page_shows_the_provenance(
     assert "dtype=float32" in page and "gpu_memory_utilization=0.3" in page
     assert "Stub CPU" in page
     assert "1,600,000 tokens" in page
+    assert "FullAttention, 2 layers, blocks of 16 tokens: filled per request" in page
     assert "&lt;redacted&gt;" in page
     # The worker's real token shows nowhere a reader can look.
     token = client.app.state.scheduler.fleet.tokens[run["worker_id"]]  # type: ignore[attr-defined]
