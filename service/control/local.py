@@ -6,6 +6,9 @@ Each worker leads a process group of its own (in the service's session: see
 ``service.control.procs``) so that stopping it reaches the engine core and worker processes
 vLLM spawns. Health is polled with a deadline while watching for early exit, and a
 failure carries the last lines of the worker's log file so the user sees why.
+
+A start that fails or is interrupted leaves its worker to the fleet, which stops it
+(``Fleet.server_for``): the fleet is the one that holds it until its process group is gone.
 """
 
 from __future__ import annotations
@@ -153,22 +156,17 @@ class LocalServers:
         )
         hold(handle)
         self.tokens[worker_id] = token
-        try:
-            await asyncio.to_thread(workers.update_worker, self.engine, worker_id, pid=process.pid)
-            await self._wait_healthy(handle)
-            handle.kv_tokens = await kv_capacity(self.client, handle.url)
-            if cpu_binding is not None:
-                # What vLLM made of the variables, as its worker logged it while starting.
-                cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
-                handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
-            await asyncio.to_thread(workers.update_worker, self.engine, worker_id, status="ready",
-                                    ready_at=utcnow(), kv_tokens=handle.kv_tokens,
-                                    cpu_binding=cpu_binding)
-        except BaseException as exc:
-            # Not ready and not anyone's: a worker whose start did not finish is stopped.
-            reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
-            await self.stop(handle, status="failed", error=reason)
-            raise
+        # From here a failure leaves the worker to the fleet, which holds it: it stops it.
+        await asyncio.to_thread(workers.update_worker, self.engine, worker_id, pid=process.pid)
+        await self._wait_healthy(handle)
+        handle.kv_tokens = await kv_capacity(self.client, handle.url)
+        if cpu_binding is not None:
+            # What vLLM made of the variables, as its worker logged it while starting.
+            cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
+            handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
+        await asyncio.to_thread(workers.update_worker, self.engine, worker_id, status="ready",
+                                ready_at=utcnow(), kv_tokens=handle.kv_tokens,
+                                cpu_binding=cpu_binding)
         # Ready only now, with no await before the caller takes it for its run: a ready
         # worker that is not busy is idle to placement, which would give it to a queued
         # run of the same kind while the run it was started for is still waiting for it.
