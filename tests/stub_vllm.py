@@ -16,6 +16,7 @@ unless ``STUB_HANG_HEALTHY`` is set: then it answers, as a stuck engine's API se
 refuses a request too long for its ``--max-model-len``),
 ``STUB_IGNORE_SIGTERM`` (only SIGKILL stops it), ``STUB_GRANDCHILD`` (spawns a
 long-lived grandchild in its process group; its pid goes to /stub/requests),
+``STUB_PRINT_LOG`` (a file whose text it prints first: a real vLLM log excerpt, a failure's),
 ``STUB_ENGINE`` (a child in its process group as vLLM's EngineCore is: ``alive`` stays,
 ``dead`` exits at once and is never reaped, a zombie under an API server that did not
 notice), ``STUB_LISTEN_AFTER_S`` (seconds before it even binds its port; ``inf`` never),
@@ -323,6 +324,9 @@ def main() -> None:
               "max_num_batched_tokens": 8192, "device": "cpu"}
     if os.environ.get("STUB_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.environ.get("STUB_PRINT_LOG"):
+        sys.stdout.write(Path(os.environ["STUB_PRINT_LOG"]).read_text())
+        sys.stdout.flush()
     kind = os.environ.get("STUB_ENGINE")
     if kind:
         # Kept and never waited for: a dead one stays a zombie in the process group. It

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import httpx
 from sqlalchemy import Engine
 
-from service.control.handles import WorkerError, WorkerHandle
+from service.control.handles import EngineFailed, WorkerError, WorkerHandle
 from service.control.local import LocalServers
 from service.control.placement import Decision, WorkerRow
 from service.control.registered import RegisteredServers
@@ -278,10 +278,11 @@ class Fleet(RegisteredServers):
             self._starting.pop(run_id, None)
 
     def _stop_unstarted(self, handle: WorkerHandle, exc: BaseException) -> Callable[[], Awaitable[None]]:
-        """How to stop a server whose start failed: one whose main process exited has
-        nothing to shut down cleanly and is killed at once; any other gets the grace period."""
+        """How to stop a server whose start failed: one whose engine failed or whose main
+        process exited has nothing to shut down cleanly and is killed at once; any other
+        gets the grace period."""
         reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
-        if not handle.alive():
+        if isinstance(exc, EngineFailed) or not handle.alive():
             return lambda: self.servers.bury(handle, reason)
         return lambda: self.servers.stop(handle, "failed", reason)
 
