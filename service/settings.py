@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     control_url: str | None = None
     worker_start_timeout_s: float = Field(default=600.0, gt=0)
     worker_stop_grace_s: float = Field(default=10.0, ge=0)
+    # On shutdown, how long the runs in progress get to record their end before every
+    # server is stopped anyway (servers are stopped then, whatever their runs were doing).
+    shutdown_wait_s: float = Field(default=10.0, ge=0)
     # A stream that sends nothing for this long is failed (the server hung).
     request_timeout_s: float = Field(default=600.0, gt=0)
     # A load driver process that sends nothing (not even its heartbeat) for this long has

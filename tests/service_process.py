@@ -43,6 +43,22 @@ def _processes() -> Iterator[tuple[int, int, list[bytes]]]:
             yield int(entry.name), ppid, argv
 
 
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that still run (zombies count as gone: a
+    zombie holds no memory, and is reaped once its parent is)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
 def host_pids(parent: int | None = None) -> list[int]:
     """Warm driver hosts (``python -m service.load.forkserver``) that are children of
     ``parent`` (this process by default) and still run."""

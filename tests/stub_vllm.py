@@ -16,6 +16,12 @@ unless ``STUB_HANG_HEALTHY`` is set: then it answers, as a stuck engine's API se
 refuses a request too long for its ``--max-model-len``),
 ``STUB_IGNORE_SIGTERM`` (only SIGKILL stops it), ``STUB_GRANDCHILD`` (spawns a
 long-lived grandchild in its process group; its pid goes to /stub/requests),
+``STUB_PRINT_LOG`` (a file whose text it prints first: a real vLLM log excerpt, a failure's),
+``STUB_ENGINE`` (a child in its process group as vLLM's EngineCore is: ``alive`` stays,
+``dead`` exits at once and is never reaped, a zombie under an API server that did not
+notice), ``STUB_LISTEN_AFTER_S`` (seconds before it even binds its port; ``inf`` never),
+``STUB_SILENT_PORT`` (its port is bound and nothing ever answers, as vLLM's while its
+engine starts: vLLM binds it first),
 ``STUB_BUNCHED`` (each stream is made at the usual pace but sent in one write at its
 end, as a starved client or a buffering proxy would see it), ``STUB_MAX_RUNNING``
 (at most that many streams run at once; the others wait in the stub's queue,
@@ -43,8 +49,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -319,10 +327,23 @@ def main() -> None:
               "max_num_batched_tokens": 8192, "device": "cpu"}
     if os.environ.get("STUB_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.environ.get("STUB_PRINT_LOG"):
+        sys.stdout.write(Path(os.environ["STUB_PRINT_LOG"]).read_text())
+        sys.stdout.flush()
+    kind = os.environ.get("STUB_ENGINE")
+    if kind:
+        # Kept and never waited for: a dead one stays a zombie in the process group. It
+        # inherits an ignored SIGTERM, as a stuck EngineCore would not stop on one either.
+        _ENGINE.append(subprocess.Popen(["sleep", "3600"] if kind == "alive" else ["true"]))
     exit_code = os.environ.get("STUB_EXIT_AT_START")
     if exit_code:
         print("stub: exiting at start as told", flush=True)
         sys.exit(int(exit_code))
+    listen_after = float(os.environ.get("STUB_LISTEN_AFTER_S", "0"))
+    _sleep(listen_after)
+    if os.environ.get("STUB_SILENT_PORT"):
+        with socket.create_server((args.host, args.port)):
+            _sleep(math.inf)
     app = build_app(
         args.served_model_name or args.model,
         float(os.environ.get("STUB_TOKEN_INTERVAL_S", "0.002")),
@@ -333,6 +354,17 @@ def main() -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = _KeepSignals(config) if os.environ.get("STUB_IGNORE_SIGTERM") else uvicorn.Server(config)
     server.run()
+
+
+# The stand-in for vLLM's EngineCore process (``STUB_ENGINE``).
+_ENGINE: list[subprocess.Popen[bytes]] = []
+
+
+def _sleep(seconds: float) -> None:
+    """Sleep, for ever if ``seconds`` is infinite."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 3600))
 
 
 class _KeepSignals(uvicorn.Server):

@@ -1,4 +1,4 @@
-"""Launcher pieces: capped worker logs, the log tail in errors."""
+"""Launcher pieces: capped worker logs, the log tail in errors, a starting worker's log followed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import threading
 from pathlib import Path
 
-from service.control.procs import drain_to_capped_file
+from service.control.procs import LogFollower, drain_to_capped_file
 from service.storage.logs import log_tail
 
 
@@ -27,3 +27,21 @@ def test_worker_output_is_drained_to_a_capped_file(tmp_path: Path) -> None:
     # The newest output is kept, in order, and the tail shows the very last lines.
     assert log_tail(log, 2).splitlines() == [f"line 04998 {'x' * 64}", f"line 04999 {'x' * 64}"]
     assert "line 00000" not in log.read_text() + rotated.read_text()
+
+
+def test_a_starting_workers_log_is_followed_in_whole_lines_across_a_rotation(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    follower = LogFollower(log)
+    assert follower.new_lines() == ""  # not written yet
+    with log.open("ab") as out:
+        out.write(b"(EngineCore pid=1) INFO loading\n(EngineCore pid=1) ERROR EngineCore fai")
+    assert follower.new_lines() == "(EngineCore pid=1) INFO loading"
+    with log.open("ab") as out:
+        out.write(b"led to start.\n")
+    # A line split between two writes is read once it has ended, whole.
+    assert follower.new_lines() == "(EngineCore pid=1) ERROR EngineCore failed to start."
+    assert follower.new_lines() == ""
+    # The copier moved the file aside and began a new one: read from its start.
+    os.replace(log, log.with_name("w.log.1"))
+    log.write_bytes(b"after\n")
+    assert follower.new_lines() == "after"

@@ -159,6 +159,28 @@ def _failed_run(run_id: str, model: str, error: str = LAUNCH_ERROR) -> Run:
                finished_at=datetime.now(UTC))
 
 
+def test_a_failed_start_shows_its_root_cause_and_the_fix_in_one_line(client: TestClient) -> None:
+    # As the service writes a start whose engine failed: the root cause from the server's
+    # log, the fix, then the log's tail, which ends in vLLM's wrappers of the cause.
+    cause = ("ValueError: To serve at least one request with the model's max seq len (131072), (5.62 GiB "
+             "KV cache is needed, which is larger than the available KV cache memory (5.25 GiB). Based "
+             "on the available memory, the estimated maximum model length is 122368. Try increasing "
+             "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or decreasing "
+             "`max_model_len` when initializing the engine.")
+    fix = "Fix: set engine.max_model_len to at most 122368, or raise engine.gpu_memory_utilization."
+    error = "\n".join([cause, fix, "vLLM server's engine failed to start (the server was stopped); "
+                       "last log lines:", "RuntimeError: Engine core initialization failed. See root "
+                       "cause above. Failed core proc(s): {}"])
+    _insert(client, _failed_run("r-failedstart1", "decodebench-tiny", error))
+    html = client.get("/runs/r-failedstart1").text
+    shown = _text(_between(html, 'id="cause"', "</p>"))
+    assert shown.startswith("failed ValueError: To serve at least one request with the model's max seq len "
+                            "(131072)"), shown
+    assert shown.endswith(f"… · {fix}"), shown  # the cause cut to fit, never the fix
+    assert "Engine core initialization failed" not in shown
+    assert "Engine core initialization failed" in _between(html, '<details id="error">', "</details>")
+
+
 def test_run_page_header_names_the_parameters_with_units_and_utc_times(client: TestClient) -> None:
     run = client.post("/api/runs", json={**SMALL, "fill": {"mean": 0.02, "std": 0.001}}).json()
     wait_finished(client, run["id"])

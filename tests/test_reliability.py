@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import AUTH, wait_finished, wait_for
-from tests.service_process import ServiceProcess, driver_pids, host_pids, pid_alive
+from tests.service_process import ServiceProcess, driver_pids, group_pids, host_pids, pid_alive
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 10, "max_concurrency": 2}
 
@@ -55,6 +55,61 @@ def test_worker_that_never_becomes_healthy_fails_at_the_deadline(stub_service: A
     assert time.monotonic() - started < 15
     worker = client.get("/api/workers").json()[0]
     assert worker["status"] == "failed" and not pid_alive(worker["pid"])
+
+
+FAILED_STARTS = Path(__file__).resolve().parent / "data" / "vllm_start_failures"
+
+
+def _gone(pgid: int, timeout: float = 5) -> bool:
+    deadline = time.monotonic() + timeout
+    while group_pids(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_server_whose_engine_failed_fails_its_run_at_once_with_the_root_cause(stub_service: Any) -> None:
+    # A real vLLM log up to its engine's failure, then the API server hangs (port bound, no
+    # answer) with its engine processes alive: only the log says it will never serve.
+    client = stub_service({"STUB_PRINT_LOG": str(FAILED_STARTS / "engine_failed_server_hangs.log"),
+                           "STUB_SILENT_PORT": "1", "STUB_ENGINE": "alive", "STUB_IGNORE_SIGTERM": "1"},
+                          worker_start_timeout_s=60)
+    started = time.monotonic()
+    run = client.post("/api/runs", json=SMALL).json()
+    done = wait_finished(client, run["id"], timeout=60)
+    elapsed = time.monotonic() - started
+    assert done["status"] == "failed"
+    lines = done["error"].splitlines()
+    assert lines[0] == ("ValueError: Available memory on node 0 (9.46/12.71 GiB) on kv cache allocation is "
+                        "less than requested memory for kv (93132.26 GiB). Decrease --kv-cache-memory-bytes, "
+                        "VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes."), lines[0]
+    assert lines[1] == ("Fix: lower VLLM_CPU_KVCACHE_SPACE in the service's environment below 9.46 GiB "
+                        "(the memory free on the node), or stop what else uses the host's memory.")
+    assert lines[2] == "vLLM server's engine failed to start (the server was stopped); last log lines:"
+    assert "RuntimeError: Worker failed with error" in done["error"]  # the log's tail follows
+    # The stub prints the log as it starts (about a second of imports here); the start
+    # timeout is 60 s.
+    assert elapsed < 10, elapsed
+    worker = client.get("/api/workers").json()[0]
+    assert worker["status"] == "failed" and worker["error"].splitlines()[0] == lines[0]
+    assert _gone(worker["pid"], timeout=0.5), group_pids(worker["pid"])
+
+
+def test_a_server_that_exits_before_it_is_healthy_says_its_root_cause_first(stub_service: Any) -> None:
+    client = stub_service({"STUB_PRINT_LOG": str(FAILED_STARTS / "max_model_len.log"),
+                           "STUB_EXIT_AT_START": "1"})
+    run = client.post("/api/runs", json=SMALL).json()
+    done = wait_finished(client, run["id"], timeout=60)
+    assert done["status"] == "failed"
+    lines = done["error"].splitlines()
+    assert lines[0].startswith("ValueError: To serve at least one request with the model's max seq len "
+                               "(131072)"), lines[0]
+    assert lines[1] == ("Fix: set engine.max_model_len to at most 97408, "
+                        "or raise engine.gpu_memory_utilization.")
+    assert "RuntimeError: Engine core initialization failed" in done["error"]
+    worker = client.get("/api/workers").json()[0]
+    assert _gone(worker["pid"])
 
 
 def test_worker_that_hangs_fails_the_run_and_is_replaced(stub_service: Any,

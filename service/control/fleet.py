@@ -19,16 +19,18 @@ liveness check and a log tail; a run's drivers are a ``LoadDrivers`` that stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 from sqlalchemy import Engine
 
-from service.control.handles import WorkerHandle
+from service.control.handles import EngineFailed, WorkerError, WorkerHandle
 from service.control.local import LocalServers
 from service.control.placement import Decision, WorkerRow
 from service.control.registered import RegisteredServers
@@ -82,7 +84,8 @@ class ServerBackend(Protocol):
     async def start(self, spec: RunSpec, gpus: list[str], hold: Callable[[WorkerHandle], None],
                     taken: set[int]) -> WorkerHandle:
         """Start a server for ``spec`` on ``gpus``; ``hold`` gets its handle as soon as it
-        exists (before any await); return once it is healthy."""
+        exists (before any await); return once it is healthy. A start that fails or is
+        cancelled after ``hold`` leaves the server running: the fleet stops it."""
         ...
 
     async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
@@ -161,6 +164,8 @@ class Fleet(RegisteredServers):
         self._stopping: dict[str, WorkerHandle] = {}
         # Runs placed on a new server that is not up yet, with the GPUs they hold.
         self._starting: dict[str, Placement] = {}
+        # The stops in progress, by server: each runs to its end, whoever asked for it.
+        self._stops: dict[str, asyncio.Task[None]] = {}
         self.servers: ServerBackend = servers or LocalServers(settings, engine, client)
         self.driver_pool: DriverBackend = drivers or DriverPool(settings.logs_dir, warm=settings.warm_drivers)
         self._gpus: list[str] = []
@@ -193,11 +198,15 @@ class Fleet(RegisteredServers):
         self.driver_pool.start()
 
     async def shutdown(self) -> None:
-        """Stop the spare drivers and every server this service started."""
+        """Stop the spare drivers and every server this service started, at once, and
+        return once all are gone: ready, starting (a start the shutdown interrupted is
+        stopping already) and stopping ones."""
         await self.driver_pool.close()
         for handle in [*self.workers.values(), *self._stopping.values()]:
             if not handle.external:
-                await self._stop(handle, "stopped", "the service shut down")
+                self._taking_down(handle, functools.partial(
+                    self.servers.stop, handle, "stopped", "the service shut down"))
+        await asyncio.gather(*self._stops.values(), return_exceptions=True)
         await self.servers.close()
 
     # ------------------------------------------------------------ what placement sees
@@ -243,22 +252,39 @@ class Fleet(RegisteredServers):
         for handle in list(placement.evict):
             await self._stop(handle, "stopped", f"stopped to make room for run {run_id} ({spec.model})")
 
+        held: list[WorkerHandle] = []
+
         def hold(handle: WorkerHandle) -> None:
             # Called right after the process starts, before any await: a run cancelled
             # while its server starts leaves nothing running that nobody holds.
             handle.busy_run = run_id
             self.workers[handle.id] = handle
+            held.append(handle)
 
         taken = {h.port for h in (*self.workers.values(), *self._stopping.values())}
         try:
             return await self.servers.start(spec, placement.gpus, hold, taken)
-        except BaseException:
-            for handle in list(self.workers.values()):
-                if handle.busy_run == run_id and not handle.ready:
-                    self.workers.pop(handle.id, None)
+        except BaseException as exc:
+            for handle in held:
+                stopping = self._taking_down(handle, self._stop_unstarted(handle, exc))
+                # Cancelled (a user's cancel, the service's shutdown): the run ends now and
+                # the stop goes on, held here (``shutdown`` waits for it). Failed: the run's
+                # error comes once its server is gone.
+                if not isinstance(exc, asyncio.CancelledError):
+                    with contextlib.suppress(Exception):  # logged by the stop; the run's error is exc
+                        await asyncio.shield(stopping)
             raise
         finally:
             self._starting.pop(run_id, None)
+
+    def _stop_unstarted(self, handle: WorkerHandle, exc: BaseException) -> Callable[[], Awaitable[None]]:
+        """How to stop a server whose start failed: one whose engine failed or whose main
+        process exited has nothing to shut down cleanly and is killed at once; any other
+        gets the grace period."""
+        reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
+        if isinstance(exc, EngineFailed) or not handle.alive():
+            return lambda: self.servers.bury(handle, reason)
+        return lambda: self.servers.stop(handle, "failed", reason)
 
     async def healthy(self, handle: WorkerHandle) -> bool:
         """True if the server is alive and answers /health within a few seconds."""
@@ -296,22 +322,36 @@ class Fleet(RegisteredServers):
             return
         await self._take_down(handle, lambda: self.servers.stop(handle, status, error))
 
-    async def _take_down(self, handle: WorkerHandle, stop: Callable[[], object]) -> None:
-        """Stop a started server, holding it (and its GPUs and port) among the stopping
-        ones until its process group is gone."""
+    async def _take_down(self, handle: WorkerHandle, stop: Callable[[], Awaitable[None]]) -> None:
+        """Stop a started server and return once its process group is gone; the stop goes
+        on if the caller is cancelled meanwhile."""
+        await asyncio.shield(self._taking_down(handle, stop))
+
+    def _taking_down(self, handle: WorkerHandle, stop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """Start stopping a started server (once: a second call gets the first stop), holding
+        it (and its GPUs and port) among the stopping ones until its process group is gone."""
+        task = self._stops.get(handle.id)
+        if task is not None:
+            return task
         self.workers.pop(handle.id, None)
         self._stopping[handle.id] = handle
 
         async def stopping() -> None:
-            result = stop()
-            if asyncio.iscoroutine(result):
-                await result
+            await stop()
 
         task = asyncio.ensure_future(stopping())
-        # Held until the stop is done, even when the run that asked is cancelled meanwhile:
-        # the process group keeps its GPUs until it has exited.
-        task.add_done_callback(lambda _: self._stopping.pop(handle.id, None))
-        await asyncio.shield(task)
+        self._stops[handle.id] = task
+
+        def stopped(done: asyncio.Task[None]) -> None:
+            # Held until the stop is done, even when the run that asked is cancelled
+            # meanwhile: the process group keeps its GPUs until it has exited.
+            self._stopping.pop(handle.id, None)
+            self._stops.pop(handle.id, None)
+            if not done.cancelled() and done.exception() is not None:
+                log.error("stopping worker %s failed", handle.id, exc_info=done.exception())
+
+        task.add_done_callback(stopped)
+        return task
 
     def release(self, run_id: str, used: list[WorkerHandle]) -> None:
         """The run is over: the servers it used are idle again (and were used just now,

@@ -19,6 +19,11 @@ class WorkerError(Exception):
     """A worker failed to start or died; the message carries its log tail."""
 
 
+class EngineFailed(WorkerError):
+    """A starting worker's log says its engine failed: it will never serve, though its API
+    server may still run (it can hang on the dead engine). Nothing in it needs a grace period."""
+
+
 class ServerProcess(Protocol):
     """A started server's main process as the fleet watches it: a ``subprocess.Popen``
     here, or a stand-in for a process on another node (``service.control.ray_servers``).

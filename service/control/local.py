@@ -4,14 +4,18 @@ process work.
 
 Each worker leads a process group of its own (in the service's session: see
 ``service.control.procs``) so that stopping it reaches the engine core and worker processes
-vLLM spawns. Health is polled with a deadline while watching for early exit, and a
-failure carries the last lines of the worker's log file so the user sees why.
+vLLM spawns. Health is polled with a deadline while watching for early exit and for the
+log lines that say the engine failed (``service.control.startup_errors``: vLLM's API server
+may hang on a dead engine rather than exit). A failed start's message begins with the
+exception the engine raised and what to change, then the last lines of the worker's log.
+
+A start that fails or is interrupted leaves its worker to the fleet, which stops it
+(``Fleet.server_for``): the fleet is the one that holds it until its process group is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -27,9 +31,10 @@ from sqlalchemy import Engine
 
 from service.control import provenance
 from service.control.cpu_binding import binding_env, parse_binding_log
-from service.control.handles import WorkerError, WorkerHandle
+from service.control.handles import LAST_WORDS_WAIT_S, EngineFailed, WorkerError, WorkerHandle
 from service.control.procs import (
     WORKER_ENV,
+    LogFollower,
     NoFreePort,
     drain_to_capped_file,
     free_port,
@@ -38,18 +43,40 @@ from service.control.procs import (
     log_head,
     stop_process_group,
 )
+from service.control.startup_errors import engine_failed, failure_message, is_wrapper, root_cause
 from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
 from service.settings import Settings
 from service.storage import workers
-from service.storage.logs import log_tail
+from service.storage.logs import last_lines, log_end
 from service.storage.tables import Worker
 from service.storage.workers import hash_token
 
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# A starting server's log is read this often, and its /health asked every HEALTH_POLL_S
+# (each ask may take its whole timeout: vLLM binds its port long before it answers).
+LOG_POLL_S = 0.25
+HEALTH_POLL_S = 0.5
+HEALTH_TIMEOUT_S = 2.0
+# Once the log says the engine failed: how long its root cause may take to follow (the
+# marker line can come before the traceback that names it).
+ROOT_CAUSE_WAIT_S = 1.0
+# How much of a failed server's log is searched for the root cause: vLLM's wrappers of it
+# fill the last lines, and the cause can be hundreds of lines above them.
+LOG_SEARCHED_BYTES = 4 << 20
+
+
+def _engine_failure(log_path: Path) -> tuple[str, bool]:
+    """The message of a start whose engine failed, and whether the log holds its root cause
+    yet, not only vLLM's wrappers of it (blocking: a search of up to LOG_SEARCHED_BYTES)."""
+    text = log_end(log_path, LOG_SEARCHED_BYTES)
+    cause = root_cause(text)
+    message = failure_message("vLLM server's engine failed to start (the server was stopped)",
+                              text, last_lines(text))
+    return message, cause is not None and not is_wrapper(cause.line)
 
 
 class LocalServers:
@@ -153,22 +180,17 @@ class LocalServers:
         )
         hold(handle)
         self.tokens[worker_id] = token
-        try:
-            await asyncio.to_thread(workers.update_worker, self.engine, worker_id, pid=process.pid)
-            await self._wait_healthy(handle)
-            handle.kv_tokens = await kv_capacity(self.client, handle.url)
-            if cpu_binding is not None:
-                # What vLLM made of the variables, as its worker logged it while starting.
-                cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
-                handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
-            await asyncio.to_thread(workers.update_worker, self.engine, worker_id, status="ready",
-                                    ready_at=utcnow(), kv_tokens=handle.kv_tokens,
-                                    cpu_binding=cpu_binding)
-        except BaseException as exc:
-            # Not ready and not anyone's: a worker whose start did not finish is stopped.
-            reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
-            await self.stop(handle, status="failed", error=reason)
-            raise
+        # From here a failure leaves the worker to the fleet, which holds it: it stops it.
+        await asyncio.to_thread(workers.update_worker, self.engine, worker_id, pid=process.pid)
+        await self._wait_healthy(handle)
+        handle.kv_tokens = await kv_capacity(self.client, handle.url)
+        if cpu_binding is not None:
+            # What vLLM made of the variables, as its worker logged it while starting.
+            cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
+            handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
+        await asyncio.to_thread(workers.update_worker, self.engine, worker_id, status="ready",
+                                ready_at=utcnow(), kv_tokens=handle.kv_tokens,
+                                cpu_binding=cpu_binding)
         # Ready only now, with no await before the caller takes it for its run: a ready
         # worker that is not busy is idle to placement, which would give it to a queued
         # run of the same kind while the run it was started for is still waiting for it.
@@ -177,25 +199,64 @@ class LocalServers:
         return handle
 
     async def _wait_healthy(self, handle: WorkerHandle) -> None:
-        assert handle.process is not None, "only started workers are waited for"
-        deadline = time.monotonic() + self.settings.worker_start_timeout_s
-        while True:
-            code = handle.process.poll()
-            if code is not None:
-                raise WorkerError(
-                    f"vLLM server exited with code {code} before it became healthy; "
-                    f"last log lines:\n{log_tail(handle.log_path)}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                response = await self.client.get(f"{handle.url}/health", timeout=2.0)
-                if response.status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise WorkerError(
-                    f"vLLM server not healthy after {self.settings.worker_start_timeout_s:.0f} s; "
-                    f"last log lines:\n{log_tail(handle.log_path)}"
-                )
-            await asyncio.sleep(0.5)
+        """Return once the server answers /health. Raise ``WorkerError`` if it exits first
+        or is not healthy by the start timeout, and ``EngineFailed`` as soon as its log says
+        its engine failed (its API server may live on, never to answer)."""
+        process = handle.process
+        assert process is not None, "only started workers are waited for"
+        timeout = self.settings.worker_start_timeout_s
+        deadline = time.monotonic() + timeout
+        follower = LogFollower(handle.log_path)
+        failed_at: float | None = None
+        probe: asyncio.Task[bool] | None = None
+        next_probe = 0.0
+        try:
+            while True:
+                code = process.poll()
+                if code is not None:
+                    raise WorkerError(await self._start_failure(
+                        handle, f"vLLM server exited with code {code} before it became healthy"))
+                if failed_at is None and engine_failed(await asyncio.to_thread(follower.new_lines)):
+                    failed_at = time.monotonic()
+                    log.warning("worker %s: its log says its engine failed to start", handle.id)
+                if failed_at is not None:
+                    message, caused = await asyncio.to_thread(_engine_failure, handle.log_path)
+                    if caused or time.monotonic() - failed_at >= ROOT_CAUSE_WAIT_S:
+                        raise EngineFailed(message)
+                if probe is not None and probe.done():
+                    if probe.result():
+                        return
+                    probe = None
+                now = time.monotonic()
+                if probe is None and now >= next_probe:
+                    probe = asyncio.create_task(self._answers_health(handle.url))
+                    next_probe = now + HEALTH_POLL_S
+                if now > deadline:
+                    raise WorkerError(await self._start_failure(
+                        handle, f"vLLM server not healthy after {timeout:.0f} s"))
+                await asyncio.sleep(LOG_POLL_S)
+        finally:
+            if probe is not None:
+                probe.cancel()
+
+    async def _answers_health(self, url: str) -> bool:
+        try:
+            response = await self.client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def _start_failure(self, handle: WorkerHandle, what: str) -> str:
+        """The message of a start that failed: its root cause from the log first."""
+
+        def read() -> str:
+            if handle.log_copier is not None and not handle.alive():
+                # Its last words may still be in the pipe: they are often the cause.
+                handle.log_copier.join(timeout=LAST_WORDS_WAIT_S)
+            text = log_end(handle.log_path, LOG_SEARCHED_BYTES)
+            return failure_message(what, text, last_lines(text))
+
+        return await asyncio.to_thread(read)
 
     async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
         """Stop the worker's whole process group: SIGTERM, then SIGKILL after the grace period."""

@@ -40,6 +40,35 @@ def log_head(path: Path, max_bytes: int = 1 << 20) -> str:
         return ""
 
 
+class LogFollower:
+    """What a growing log file gained since the last look, in whole lines; a file rotated
+    meanwhile (``drain_to_capped_file``) is read from its start again."""
+
+    def __init__(self, path: Path, max_bytes: int = 1 << 20) -> None:
+        self.path = path
+        # At most this much is read at a time, and kept of a line not yet ended.
+        self.max_bytes = max_bytes
+        self._offset = 0
+        self._partial = b""
+        self._inode: int | None = None
+
+    def new_lines(self) -> str:
+        """The lines ended since the last call (blocking: call it from a thread)."""
+        try:
+            with self.path.open("rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self._inode:  # the first look, or a new file after a rotation
+                    self._inode, self._offset, self._partial = inode, 0, b""
+                f.seek(self._offset)
+                data = f.read(self.max_bytes)
+        except OSError:
+            return ""
+        self._offset += len(data)
+        complete, _, partial = (self._partial + data).rpartition(b"\n")
+        self._partial = partial[-self.max_bytes:]
+        return complete.decode("utf-8", errors="replace")
+
+
 def drain_to_capped_file(pipe: IO[bytes], path: Path, max_bytes: int) -> None:
     """Copy a worker's output to ``path`` until it closes; past ``max_bytes`` the file
     moves to ``path.1`` (replacing an older one) and a new one starts, so a chatty

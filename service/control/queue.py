@@ -42,7 +42,6 @@ PLACE_AHEAD = 64
 # How many pairs' servers are remembered for their second run (a pair's runs are queued
 # next to each other, so its partner is placed soon after).
 PAIRS_REMEMBERED = 1024
-SHUTDOWN_WAIT_S = 10.0
 
 
 class Scheduler:
@@ -116,11 +115,13 @@ class Scheduler:
                 await asyncio.wait_for(self._probe_wakeup.wait(), self.settings.worker_probe_s)
 
     async def shutdown(self) -> None:
-        """Stop the loop, fail the runs in progress, and stop every worker."""
+        """Stop the loop, fail the runs in progress, and stop every worker (the fleet's, not
+        the runners' job: a runner cancelled while its server starts leaves it stopping)."""
+        wait_s = self.settings.shutdown_wait_s
         try:
-            await asyncio.wait_for(self._stop_tasks(), SHUTDOWN_WAIT_S)
+            await asyncio.wait_for(self._stop_tasks(), wait_s)
         except TimeoutError:
-            log.error("runs did not stop within %s s; stopping the workers anyway", SHUTDOWN_WAIT_S)
+            log.error("runs did not stop within %s s; stopping the workers anyway", wait_s)
         await self.fleet.shutdown()
 
     async def _stop_tasks(self) -> None:

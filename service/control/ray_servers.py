@@ -344,12 +344,8 @@ class RayServers:
         )
         hold(handle)
         self.tokens[worker_id] = token
-        try:
-            await self._start(spec, handle, process, token, on_gpu)
-        except BaseException as exc:
-            reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
-            await self.stop(handle, status="failed", error=reason)
-            raise
+        # From here a failure leaves the server to the fleet, which holds it: it stops it.
+        await self._start(spec, handle, process, token, on_gpu)
         handle.ready = True
         log.info("worker %s ready at %s on node %s", worker_id, handle.url, (handle.node or {}).get("id"))
         return handle

@@ -24,17 +24,26 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of a log file (empty if missing)."""
+def log_end(path: Path, max_bytes: int = 64 * 1024) -> str:
+    """The last ``max_bytes`` of a log file (empty if missing)."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            data = f.read().decode("utf-8", errors="replace")
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    return "\n".join(data.splitlines()[-lines:])
+
+
+def last_lines(text: str, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of ``text``."""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file (empty if missing)."""
+    return last_lines(log_end(path), lines)
 
 
 def run_files(logs_dir: Path, run_id: str) -> list[Path]:

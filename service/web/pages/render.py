@@ -142,23 +142,35 @@ _ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Exit)\b:|\berror:|\bfailed\b|\b
 _MODEL_PROBLEM = re.compile(
     r"config\.json|not a valid model|model identifier|repo(sitory)?[ _]?(id|not found)|"
     r"does not appear to have|no such file|gated repo|huggingface|hf_hub|tokenizer", re.I)
+# A failed start's error begins with the exception its server's engine raised, and the
+# fix decodebench knows on the next line (``service.control.startup_errors``).
+_ROOT_CAUSE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::|$)")
+FIX = "Fix: "
 CAUSE_CHARS = 300
 
 
 def failure_cause(error: str | None, model: str) -> tuple[str, str]:
-    """A failed run's cause in one line (the error line of the worker's log first, the model
-    named when it is the problem) and the rest of the message (the log tail), for folding."""
+    """A failed run's cause in one line (the root cause and its fix where the error begins
+    with them, else the error line of the worker's log first; the model named when it is
+    the problem) and the rest of the message (the log tail), for folding."""
     lines = [line.strip() for line in (error or "").strip().splitlines() if line.strip()]
     if not lines:
         return "", ""
     head = re.sub(r";?\s*last log lines:\s*$", "", lines[0])
-    found = next((line for line in reversed(lines[1:]) if _ERROR_LINE.search(line)), None)
-    cause = f"{found} · {head}" if found else head
+    fix = ""
+    if _ROOT_CAUSE.match(head):
+        cause = head
+        if len(lines) > 1 and lines[1].startswith(FIX):
+            fix = lines.pop(1)
+    else:
+        found = next((line for line in reversed(lines[1:]) if _ERROR_LINE.search(line)), None)
+        cause = f"{found} · {head}" if found else head
     if model and model not in cause and _MODEL_PROBLEM.search(cause):
         cause = f"model {model}: {cause}"
-    if len(cause) > CAUSE_CHARS:
-        cause = cause[:CAUSE_CHARS - 1] + "…"
-    return cause, "\n".join(lines[1:])
+    room = CAUSE_CHARS - (len(fix) + 3 if fix else 0)  # a long cause is cut, never its fix
+    if len(cause) > room:
+        cause = cause[:room - 1] + "…"
+    return (f"{cause} · {fix}" if fix else cause), "\n".join(lines[1:])
 
 
 def _run_cause(run: Any) -> str:
