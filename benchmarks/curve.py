@@ -42,12 +42,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fidelity import mean_ci, reference_server, service  # noqa: E402
+from fidelity import engine, mean_ci, reference_server, service  # noqa: E402
 
 from service.analysis.intervals import Interval, pooled_median_ci  # noqa: E402
 from service.analysis.metrics import steady_gaps, summarize  # noqa: E402
 from service.core.sample import Sample  # noqa: E402
-from service.core.tinymodel import TINY_MODEL_NAME, ensure_tiny_model  # noqa: E402
+from service.core.shapes import ensure_bundled  # noqa: E402
+from service.core.tinymodel import TINY_MODEL_NAME  # noqa: E402
 
 ARMS = ("ours", "ours_stop", "real")
 
@@ -90,7 +91,8 @@ def _figures(samples: list[Sample], duration: float, stop: str = "") -> PointRes
 def run_ours(work: Path, grid: dict[str, list[int]], args: argparse.Namespace, seed: int,
              stop_pct: float | None) -> ArmResult:
     """One sweep through a fresh service; timed from the POST to the last point's end."""
-    base: dict[str, Any] = {"output_len": args.output_len, "num_prompts": args.prompts,
+    base: dict[str, Any] = {"model": args.model, "engine": engine(args).model_dump(exclude_defaults=True),
+                            "output_len": args.output_len, "num_prompts": args.prompts,
                             "seed": seed, "mode": "fill"}
     if stop_pct is not None:
         base["stop"] = {"itl_ci_pct": stop_pct, "min_prompts": args.stop_min}
@@ -135,14 +137,14 @@ def run_real(work: Path, model_dir: Path, points: list[tuple[int, int]], args: a
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     began = time.monotonic()
-    with reference_server(model_dir, work) as (url, _pgid):
+    with reference_server(model_dir, work, args) as (url, _pgid):
         result = ArmResult(0.0, time.monotonic() - began)
         for k, (input_len, concurrency) in enumerate(points):
             parser = FlexibleArgumentParser()
             add_cli_args(parser)
             ns = parser.parse_args([
                 "--backend", "openai", "--base-url", url, "--model", str(model_dir),
-                "--served-model-name", TINY_MODEL_NAME, "--dataset-name", "random",
+                "--served-model-name", args.model, "--dataset-name", "random",
                 "--random-input-len", str(input_len), "--random-output-len", str(args.output_len),
                 "--num-prompts", str(args.prompts), "--max-concurrency", str(concurrency),
                 "--seed", str(seed + k), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
@@ -183,6 +185,11 @@ def _ratio_line(label: str, ours: list[float], real: list[float]) -> str:
 def main() -> None:
     """Measure the curve each way and print the tables and the last lines."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", default=TINY_MODEL_NAME,
+                        help="a bundled model: the tiny one or decodebench-shapes/NAME")
+    parser.add_argument("--num-layers", type=int, default=None, help="a shape's layers (default all)")
+    parser.add_argument("--dtype", default=None, help="the engine's dtype (default float32 on a CPU)")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--input-lens", default="8192,16384,32768")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--prompts", type=int, default=16, help="requests per point")
@@ -205,7 +212,7 @@ def main() -> None:
     seed = args.seed
     with tempfile.TemporaryDirectory(prefix="curve-") as tmp:
         work = Path(tmp)
-        model_dir = ensure_tiny_model(work / "models")
+        model_dir = ensure_bundled(work / "models", args.model, args.num_layers)
         for trial in range(args.trials):
             sequence = arms[:]
             order.shuffle(sequence)

@@ -1,6 +1,7 @@
-"""How close decode comes to the memory-bandwidth floor: the tiny model on this machine.
+"""How close decode comes to the memory-bandwidth floor on this machine.
 
-One service process with a real vLLM CPU server (the bundled tiny model, float32) runs a
+One service process with a real vLLM CPU server (the bundled tiny model in float32, or a
+bundled shape with ``--model``) runs a
 sweep of fill-mode runs over input length x concurrency, ``--repeats`` trials per point
 interleaved by the sweep, each with its own seed. Each run's summary carries its roofline
 (``service.analysis.roofline``) from the sizes and bandwidth the server's connector
@@ -25,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fidelity import service  # noqa: E402
+from fidelity import engine, service  # noqa: E402
 
 
 def wait_sweep(client: Any, sweep_id: str, total: int, timeout: float = 3600) -> list[dict[str, Any]]:
@@ -48,6 +49,11 @@ def spec_line(bandwidth: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="decodebench-tiny",
+                        help="a bundled model: the tiny one or decodebench-shapes/NAME")
+    parser.add_argument("--num-layers", type=int, default=None, help="a shape's layers (default all)")
+    parser.add_argument("--dtype", default=None, help="the engine's dtype (default float32 on a CPU)")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--input-lens", default="1024,4096,16384,32768")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--repeats", type=int, default=3)
@@ -56,7 +62,8 @@ def main() -> None:
     args = parser.parse_args()
     lens = [int(x) for x in args.input_lens.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
-    base = {"input_len": lens[0], "output_len": args.output_len, "num_prompts": args.prompts,
+    base = {"model": args.model, "engine": engine(args).model_dump(exclude_defaults=True),
+            "input_len": lens[0], "output_len": args.output_len, "num_prompts": args.prompts,
             "max_concurrency": concs[0], "mode": "fill", "repeats": args.repeats, "seed": 1000}
     with tempfile.TemporaryDirectory(prefix="decodebench-roofline-") as tmp, service(Path(tmp), {}) as client:
         answer = client.post("/api/sweeps", json={"base": base, "grid": {"input_len": lens,
@@ -78,7 +85,7 @@ def main() -> None:
     if facts is None:
         raise SystemExit("no run carried the connector's roofline facts")
     bandwidth = facts["bandwidth"]
-    print(f"\ntiny model ({facts['weight_params']:,} streamed parameters, {facts['weight_dtype']}: "
+    print(f"\n{args.model} ({facts['weight_params']:,} streamed parameters, {facts['weight_dtype']}: "
           f"{facts['weight_bytes'] / 1e6:.2f} MB of weights a step; KV {facts['kv_bytes_per_token']} bytes "
           f"per token, {facts['kv_dtype']}), device {facts['device']}")
     print(f"measured bandwidth: {bandwidth['measured_bytes_per_s'] / 1e9:.2f} GB/s ({bandwidth['how']}); "
