@@ -369,7 +369,7 @@ class Fleet(RegisteredServers):
             on(node["id"], node.get("address"))["servers"].append({
                 "id": handle.id, "model": handle.served_model, "url": handle.url, "ready": handle.ready,
                 "run_id": handle.busy_run, "stopping": handle.id in self._stopping,
-                "gpu_ids": node.get("gpu_ids") or [],
+                "gpu_ids": node.get("gpu_ids") or [], "max_model_len": handle.max_model_len,
             })
         for run_id, drivers in list(self._drivers.items()):
             for shard in drivers.placement:

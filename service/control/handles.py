@@ -55,7 +55,8 @@ class WorkerHandle:
     ready: bool = False
     # Tokens the server's KV cache holds, as it reports on /metrics (None if it does not say).
     kv_tokens: int | None = None
-    # A registered server's longest sequence, as its /v1/models says (None if it does not).
+    # The server's longest sequence (prompt plus output), as its /v1/models says: a started
+    # server's read once it is healthy, a registered one's at each probe (None: not said).
     max_model_len: int | None = None
     # CPU workers: the binding variables it was started with and the cores vLLM reports.
     cpu_binding: dict[str, Any] | None = None

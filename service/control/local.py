@@ -38,7 +38,7 @@ from service.control.procs import (
     log_head,
     stop_process_group,
 )
-from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
+from service.control.vllm_cli import kv_capacity, model_vocab_size, served_max_model_len, worker_argv
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
 from service.settings import Settings
@@ -157,13 +157,14 @@ class LocalServers:
             await asyncio.to_thread(workers.update_worker, self.engine, worker_id, pid=process.pid)
             await self._wait_healthy(handle)
             handle.kv_tokens = await kv_capacity(self.client, handle.url)
+            handle.max_model_len = await served_max_model_len(self.client, handle.url, spec.model)
             if cpu_binding is not None:
                 # What vLLM made of the variables, as its worker logged it while starting.
                 cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
                 handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
             await asyncio.to_thread(workers.update_worker, self.engine, worker_id, status="ready",
                                     ready_at=utcnow(), kv_tokens=handle.kv_tokens,
-                                    cpu_binding=cpu_binding)
+                                    max_model_len=handle.max_model_len, cpu_binding=cpu_binding)
         except BaseException as exc:
             # Not ready and not anyone's: a worker whose start did not finish is stopped.
             reason = str(exc) if isinstance(exc, WorkerError) else "start interrupted"
