@@ -382,5 +382,6 @@ def _row(handle: WorkerHandle, stopping: bool) -> WorkerRow:
     return WorkerRow(
         id=handle.id, key=handle.key, external=handle.external, ready=handle.ready,
         busy=handle.busy_run is not None, gpus=tuple(handle.gpus),
-        last_used=handle.last_used, stopping=stopping,
+        last_used=handle.last_used, stopping=stopping, max_model_len=handle.max_model_len,
+        max_len_why=handle.max_len_why(),
     )

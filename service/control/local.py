@@ -150,6 +150,7 @@ class LocalServers:
             gpus=gpus,
             vocab_size=model_vocab_size(model_path),
             cpu_binding=cpu_binding,
+            auto_fit=spec.engine.max_model_len is None,
         )
         hold(handle)
         self.tokens[worker_id] = token

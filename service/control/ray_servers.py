@@ -339,7 +339,7 @@ class RayServers:
         handle = WorkerHandle(
             id=worker_id, key=spec.worker_key(), url="", port=0, served_model=spec.model,
             process=process, log_path=Path(os.devnull), gpus=gpus, backend="ray",
-            remote_tail=process.tail,
+            remote_tail=process.tail, auto_fit=spec.engine.max_model_len is None,
         )
         hold(handle)
         self.tokens[worker_id] = token

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from service.core.modelconfig import MaxLen, long_max_len_allowed, model_dir_max_len
+from service.core.modelconfig import MaxLen, RequestLen, long_max_len_allowed, model_dir_max_len
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 
 MAX_INPUT_LEN = 1 << 20
@@ -350,11 +350,14 @@ class RunSpec(Strict):
             return self.stop.min_prompts
         return min(self.prompt_budget(), max(8, 2 * (self.max_concurrency or 0)))
 
+    def longest_request(self) -> RequestLen:
+        """This run's longest request: its prompt and its output, ``range_ratio`` applied."""
+        return RequestLen(math.floor(self.input_len * (1 + self.range_ratio)),
+                          math.floor(self.output_len * (1 + self.range_ratio)), self.range_ratio)
+
     def longest_request_tokens(self) -> int:
         """KV cache tokens the longest request of this run needs (prompt plus output)."""
-        return math.floor(self.input_len * (1 + self.range_ratio)) + math.floor(
-            self.output_len * (1 + self.range_ratio)
-        )
+        return self.longest_request().tokens
 
     def worker_key(self) -> str:
         """Runs with equal keys can share one vLLM server."""
