@@ -26,8 +26,15 @@ engine starts: vLLM binds it first),
 end, as a starved client or a buffering proxy would see it), ``STUB_MAX_RUNNING``
 (at most that many streams run at once; the others wait in the stub's queue,
 ``/metrics`` shows them waiting and, as vLLM's ``request_queue_time_seconds``, how
-long they waited). ``/stub/requests`` also shows the process's pid
-and the vLLM CPU binding variables it was started with.
+long they waited). ``/stub/requests`` also shows the process's pid, the vLLM CPU
+binding variables it was started with and its ``--max-model-len`` as given.
+
+``/v1/models`` gives its ``max_model_len`` as vLLM resolves it: the flag's value; with
+none, the model's own (its directory's ``config.json`` read as vLLM reads it, 8192 for a
+model it cannot read); with ``-1``, the model's own if its KV cache (``STUB_KV_BLOCKS``
+blocks of 16 tokens, less the one vLLM keeps back) holds one request that long, else the
+longest it holds, logged as vLLM logs its auto-fit (and it exits, as vLLM does, when
+the cache holds not one token).
 
 Like a server with decodebench's connector, it pulls each tagged run's fill values
 from the service named in ``--kv-transfer-config`` and reports the run's
@@ -68,6 +75,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 # Run as a script (``python tests/stub_vllm.py``): the checkout it belongs to comes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from service.core.modelconfig import model_dir_max_len
 from service.core.protocol import (
     ConnectorReport,
     FillAnswer,
@@ -75,6 +83,10 @@ from service.core.protocol import (
     RunCounters,
     WorkerProvenance,
 )
+
+BLOCK_SIZE = 16
+# The length of a model whose config the stub cannot read.
+STUB_MODEL_LEN = 8192
 
 
 class Connector:
@@ -106,8 +118,8 @@ class Connector:
         return WorkerProvenance(
             versions={"vllm": "0.0.0-stub", "torch": None, "python": sys.version.split()[0]},
             engine=self.engine,
-            kv_cache={"num_blocks": 100000, "block_size": 16, "tokens": 1_600_000},
-            kv_cache_groups=[KVCacheGroup(index=0, kind="FullAttention", block_size=16, layers=2,
+            kv_cache={"num_blocks": 100000, "block_size": BLOCK_SIZE, "tokens": 1_600_000},
+            kv_cache_groups=[KVCacheGroup(index=0, kind="FullAttention", block_size=BLOCK_SIZE, layers=2,
                                           fill="per request")],
             hardware={"cpu_model": "Stub CPU", "cpu_cores": os.cpu_count(),
                       "cpu_cores_usable": len(os.sched_getaffinity(0)), "machine": "x86_64"},
@@ -160,8 +172,9 @@ class Connector:
 
 
 def build_app(served_name: str, interval: float, startup_delay: float,
-              kv_transfer_config: str | None = None, engine: dict[str, Any] | None = None) -> FastAPI:
-    """The stub's app."""
+              kv_transfer_config: str | None = None, engine: dict[str, Any] | None = None,
+              max_model_len_flag: int | None = None) -> FastAPI:
+    """The stub's app; ``max_model_len_flag``: its ``--max-model-len`` as given."""
     connector = Connector(kv_transfer_config, engine)
 
     @contextlib.asynccontextmanager
@@ -177,6 +190,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                              "queue_time_sum": 0.0, "queue_time_count": 0,
                              "grandchild": None,
                              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                             "max_model_len_flag": max_model_len_flag,
                              "pid": os.getpid(),
                              "cpu_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}}
     bunched = bool(os.environ.get("STUB_BUNCHED"))
@@ -203,10 +217,10 @@ def build_app(served_name: str, interval: float, startup_delay: float,
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        blocks = os.environ.get("STUB_KV_BLOCKS", "100000")
+        blocks = kv_blocks()
         labels = f'model_name="{served_name}",engine="0"'
         return PlainTextResponse(
-            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n'
+            f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",num_gpu_blocks="{blocks}"}} 1.0\n'
             "# TYPE vllm:num_requests_running gauge\n"
             f"vllm:num_requests_running{{{labels}}} {state['open'] - state['waiting']}\n"
             "# TYPE vllm:num_requests_waiting gauge\n"
@@ -302,6 +316,34 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     return app
 
 
+def kv_blocks() -> int:
+    """The blocks of the stub's KV cache (``STUB_KV_BLOCKS``)."""
+    return int(os.environ.get("STUB_KV_BLOCKS", "100000"))
+
+
+def resolved_max_model_len(model: str, flag: int | None) -> int:
+    """``--max-model-len`` as vLLM resolves it (see the module docstring)."""
+    if flag is not None and flag != -1:
+        return flag
+    found = model_dir_max_len(Path(model))
+    own = found.tokens if found is not None else STUB_MODEL_LEN
+    if flag is None:
+        return own
+    # vLLM keeps one block back (its null block) from what a request may hold.
+    fits = (kv_blocks() - 1) * BLOCK_SIZE
+    if fits <= 0:
+        print("stub: ValueError: Cannot auto-fit max_model_len: not enough GPU memory available "
+              "to serve even a single token. Try increasing `gpu_memory_utilization`.", flush=True)
+        sys.exit(1)
+    if fits >= own:
+        print(f"stub: Auto-fit max_model_len: full model context length {own} fits in available "
+              "KV cache memory", flush=True)
+        return own
+    print(f"stub: Auto-fit max_model_len: reduced from {own} to {fits} to fit in available KV "
+          "cache memory", flush=True)
+    return fits
+
+
 def main() -> None:
     """Parse vLLM's flags that matter here and serve."""
     parser = argparse.ArgumentParser()
@@ -319,10 +361,10 @@ def main() -> None:
     args, _unknown = parser.parse_known_args()
     # What vLLM would resolve these to for a small float32 model on a CPU.
     engine = {"dtype": "float32" if args.dtype == "auto" else args.dtype,
-              "max_model_len": args.max_model_len or 8192,
+              "max_model_len": resolved_max_model_len(args.model, args.max_model_len),
               "gpu_memory_utilization": args.gpu_memory_utilization,
               "tensor_parallel_size": args.tensor_parallel_size, "load_format": args.load_format,
-              "enforce_eager": args.enforce_eager, "block_size": 16, "kv_cache_dtype": "auto",
+              "enforce_eager": args.enforce_eager, "block_size": BLOCK_SIZE, "kv_cache_dtype": "auto",
               "enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_seqs": 256,
               "max_num_batched_tokens": 8192, "device": "cpu"}
     if os.environ.get("STUB_IGNORE_SIGTERM"):
@@ -350,6 +392,7 @@ def main() -> None:
         float(os.environ.get("STUB_STARTUP_DELAY_S", "0")),
         args.kv_transfer_config,
         engine,
+        args.max_model_len,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = _KeepSignals(config) if os.environ.get("STUB_IGNORE_SIGTERM") else uvicorn.Server(config)

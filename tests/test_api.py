@@ -23,7 +23,7 @@ def test_submit_returns_201_with_the_run_queued_and_defaults_filled(client: Test
     run = response.json()
     assert run["status"] in {"queued", "starting", "running", "succeeded"}
     assert run["spec"]["model"] == "decodebench-tiny"
-    assert run["spec"]["fill"] == {"mean": 0.015, "std": 0.0}
+    assert run["spec"]["fill"] == {"mean": 0.015, "std": 0.0, "startup": False}
     assert run["spec"]["max_concurrency"] == 8
     assert run["progress"]["total"] == 2
 

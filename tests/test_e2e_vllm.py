@@ -176,6 +176,9 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     workers = service.get("/api/workers").json()
     assert [w["status"] for w in workers] == ["ready"]
     assert workers[0]["kv_tokens"] > 100_000  # read from the server's cache_config_info
+    # Started with --max-model-len -1: vLLM kept the tiny model's own length, which its KV
+    # cache holds, and said so on /v1/models.
+    assert workers[0]["max_model_len"] == MAX_MODEL_LEN
     assert workers[0]["runs_served"] == 2
 
     # The real connector reported what the server resolved, and the run recorded it.
@@ -189,7 +192,9 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert prov["kv_cache"]["tokens"] == prov["kv_cache_tokens"] == workers[0]["kv_tokens"]
     assert prov["versions"]["vllm"] and prov["versions"]["torch"] == importlib.metadata.version("torch")
     assert prov["hardware"]["cpu_cores"] == os.cpu_count() and prov["hardware"]["cpu_model"]
-    assert "--kv-transfer-config" in prov["worker"]["argv"]
+    argv = prov["worker"]["argv"]
+    assert "--kv-transfer-config" in argv
+    assert argv[argv.index("--max-model-len") + 1] == "-1"
     exported = service.get(f"/api/runs/{first['id']}/export").json()
     assert exported["kv_prefill"].startswith("filled") and exported["dtype"] == "float32"
     assert exported["decodebench"]["provenance"]["engine"] == engine

@@ -150,7 +150,7 @@ def test_a_run_longer_than_a_registered_server_takes_is_a_422(
         client: TestClient, remotes: Callable[..., RemoteStub]) -> None:
     remote = remotes(args=["--max-model-len", "64"])
     registered = _register(client, remote.url)
-    _worker(client, registered["id"], "ready")
+    assert _worker(client, registered["id"], "ready")["max_model_len"] == 64  # as /v1/models said
     long = client.post("/api/runs", json={"model": MODEL, "input_len": 60, "output_len": 8})
     assert long.status_code == 422, long.text
     assert f"max_model_len of the registered server {remote.url}" in long.text

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from service.control.placement import Decision, QueuedRow, WorkerRow, place
+from service.core.modelconfig import RequestLen
 
 A, B, C = "kind-a", "kind-b", "kind-c"
 
@@ -169,3 +170,71 @@ PAIR_CASES: list[tuple[str, list[QueuedRow], list[WorkerRow], set[str], dict[str
 def test_place_pairs(queued: list[QueuedRow], workers: list[WorkerRow], busy: set[str],
                      servers: dict[str, str], expected: list[Decision]) -> None:
     assert place(queued, workers, [], ["0", "1"], busy_pairs=busy, pair_servers=servers) == expected
+
+
+FITTED = "the longest server w1 fits (vLLM auto-fit to its KV cache memory); lower input_len or output_len"
+LONGER = "the longest server w2 fits (vLLM auto-fit to its KV cache memory); lower input_len or output_len"
+
+
+def lq(id: str, key: str, input: int, output: int = 128, range_ratio: float = 0.0) -> QueuedRow:
+    return QueuedRow(id=id, key=key, longest=RequestLen(input, output, range_ratio))
+
+
+def fw(id: str, key: str, max_model_len: int | None, why: str = FITTED, **kw: Any) -> WorkerRow:
+    return w(id, key, max_model_len=max_model_len, max_len_why=why, **kw)
+
+
+LENGTH_CASES: list[tuple[str, list[QueuedRow], list[WorkerRow], str, list[Decision]]] = [
+    # name, queued, workers, gpus, expected decisions
+    ("cpu: a run that fits its kind's server takes it",
+     [lq("r1", A, 880)], [fw("w1", A, 1008)], "",
+     [Decision("r1", A, reuse="w1")]),
+    ("cpu: a run exactly as long as the server's max_model_len takes it",
+     [lq("r1", A, 880, 128)], [fw("w1", A, 1008)], "",
+     [Decision("r1", A, reuse="w1")]),
+    ("cpu: a run longer than its kind's server fails at once, with the sums",
+     [lq("r1", A, 1024)], [fw("w1", A, 1008)], "",
+     [Decision("r1", A, fail=f"infeasible: input 1024 + output 128 = 1152 tokens > 1008, {FITTED}")]),
+    ("cpu: the server being busy does not hold the failure; the queue goes on past it",
+     [lq("r1", A, 1024), lq("r2", B, 16)], [fw("w1", A, 1008, busy=True), fw("w2", B, 1008)], "",
+     [Decision("r1", A, fail=f"infeasible: input 1024 + output 128 = 1152 tokens > 1008, {FITTED}"),
+      Decision("r2", B, reuse="w2")]),
+    ("range_ratio: the longest request is held to the length, and the message says so",
+     [lq("r1", A, 990, 150, 0.1)], [fw("w1", A, 1008)], "",
+     [Decision("r1", A, fail="infeasible: input 990 + output 150 = 1140 tokens (the longest request at "
+               f"range_ratio 0.1) > 1008, {FITTED}")]),
+    ("another kind's shorter server is no reason to fail",
+     [lq("r1", B, 1024)], [fw("w1", A, 1008)], "",
+     [Decision("r1", B, evict=("w1",))]),
+    ("a server that has not said its length may take the run",
+     [lq("r1", A, 1024)], [fw("w1", A, None)], "",
+     [Decision("r1", A, reuse="w1")]),
+    ("a server still starting is not held against the run: it waits for it",
+     [lq("r1", A, 1024)], [fw("w1", A, 1008, ready=False)], "",
+     []),
+    ("a stopping server's length is not held against the run",
+     [lq("r1", A, 1024)], [fw("w1", A, 1008, gpus="0", stopping=True)], "0,1",
+     [Decision("r1", A, gpus=("1",))]),
+    ("registered servers that all said a shorter length fail the run, naming the longest",
+     [lq("r1", A, 100, 8)],
+     [fw("x1", A, 64, "the max_model_len of the registered server http://a", external=True),
+      fw("x2", A, 96, "the max_model_len of the registered server http://b", external=True)], "",
+     [Decision("r1", A, fail="infeasible: input 100 + output 8 = 108 tokens > 96, the max_model_len of the "
+               "registered server http://b")]),
+    ("gpus: the longest of the kind's servers is the limit",
+     [lq("r1", A, 2048)], [fw("w1", A, 1008, gpus="0"), fw("w2", A, 2048, LONGER, gpus="1")], "0,1",
+     [Decision("r1", A, fail=f"infeasible: input 2048 + output 128 = 2176 tokens > 2048, {LONGER}")]),
+    ("gpus: a shorter idle server is not given the run; it waits for the one it fits",
+     [lq("r1", A, 1024)], [fw("w1", A, 1008, gpus="0"), fw("w2", A, 4096, gpus="1", busy=True)],
+     "0,1", []),
+    ("gpus: of two idle servers the run takes the one it fits",
+     [lq("r1", A, 1024)], [fw("w1", A, 1008, gpus="0"), fw("w2", A, 4096, gpus="1")], "0,1",
+     [Decision("r1", A, reuse="w2")]),
+]
+
+
+@pytest.mark.parametrize(("queued", "workers", "gpus", "expected"),
+                         [c[1:] for c in LENGTH_CASES], ids=[c[0] for c in LENGTH_CASES])
+def test_place_lengths(queued: list[QueuedRow], workers: list[WorkerRow], gpus: str,
+                       expected: list[Decision]) -> None:
+    assert place(queued, workers, [], gpus.split(",") if gpus else []) == expected

@@ -25,6 +25,7 @@ from service.control import provenance
 from service.core.protocol import WorkerProvenance
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
+from service.core.tinymodel import MAX_MODEL_LEN
 from service.storage import store, workers
 from service.storage.db import make_engine
 from service.storage.tables import Worker
@@ -58,7 +59,8 @@ def test_a_run_records_its_workers_provenance_as_the_connector_reported_it(
     assert run["spec"]["engine"]["dtype"] is None
     assert prov["engine"]["dtype"] == "float32"
     assert prov["engine"]["gpu_memory_utilization"] == 0.3
-    assert prov["engine"]["max_model_len"] == 8192
+    # --max-model-len -1: the tiny model's own length, which the stub's KV cache holds.
+    assert prov["engine"]["max_model_len"] == MAX_MODEL_LEN
     assert prov["engine"]["enforce_eager"] is True
     assert prov["versions"]["vllm"] == "0.0.0-stub"
     assert prov["hardware"]["cpu_model"] == "Stub CPU"
@@ -104,7 +106,7 @@ def test_the_vllm_export_keeps_vllms_keys_and_adds_the_provenance(
     assert "not comparable" in export["kv_prefill"]
     assert export["decodebench_mode"] == "fill"
     assert export["vllm_version"] == "0.0.0-stub"
-    assert export["dtype"] == "float32" and export["max_model_len"] == "8192"
+    assert export["dtype"] == "float32" and export["max_model_len"] == str(MAX_MODEL_LEN)
     assert export["gpu_memory_utilization"] == "0.3"
     assert export["kv_cache_tokens"] == str(100_000 * 16)
     assert export["decodebench_version"] == "0.1.0"

@@ -19,6 +19,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from service.core.tinymodel import MAX_MODEL_LEN
 from tests.conftest import free_port, make_client, wait_finished, wait_for
 from tests.service_process import ServiceProcess, pid_alive
 
@@ -85,6 +86,9 @@ def test_a_sweep_runs_one_server_per_gpu_across_nodes(cluster: Cluster, tmp_path
         for run in runs:
             worker = workers[run["worker_id"]]
             assert worker["backend"] == "ray" and worker["node"]["id"]
+            # Started with --max-model-len -1: the tiny model's own length fits the stub's
+            # KV cache, and the service read it from the server on its node.
+            assert worker["max_model_len"] == MAX_MODEL_LEN
             # The run records its server's node and its drivers' (on that node by default).
             recorded = run["provenance"]
             assert recorded["worker"]["node"]["id"] == worker["node"]["id"]

@@ -106,9 +106,12 @@ FAILURES = [
         worker="ready", answered=(0, 0), kept=(4, 4),
     ), id="every request fails"),
     pytest.param(Case(
-        env={"STUB_KV_BLOCKS": "1"},  # 16 tokens of KV cache; the run needs 2 x 20
-        error=["infeasible: 2 requests at once x 20 tokens each (input + output) = 40 tokens "
-               "of KV cache, and this server holds 16", "so the run was not sent"],
+        # 32 tokens of KV cache, of which vLLM fits one request of 16: the run's requests
+        # are each that long, but 3 at once need 48.
+        env={"STUB_KV_BLOCKS": "2"},
+        spec={**TINY, "input_len": 12, "max_concurrency": 3},
+        error=["infeasible: 3 requests at once x 16 tokens each (input + output) = 48 tokens "
+               "of KV cache, and this server holds 32", "so the run was not sent"],
         worker="ready", answered=(0, 0), kept=(0, 0),
         then={**TINY, "input_len": 4, "max_concurrency": 1},  # 1 x 8 tokens fits
     ), id="more KV than the server has"),

@@ -16,7 +16,7 @@ from service.cli import vllm_flags
 from service.cli.commands import cli
 from service.control.vllm_cli import engine_flags, kv_transfer_config, worker_argv
 from service.core import shapes
-from service.core.spec import EngineSpec, RunSpec, worker_key
+from service.core.spec import EngineSpec, RunSpec, point_key, worker_key
 from service.core.tinymodel import TINY_MODEL_NAME
 from tests.conftest import make_settings
 
@@ -137,3 +137,14 @@ def test_the_command_line_names_the_same_shapes_and_builds_their_runs() -> None:
     spec = vllm_flags.run_spec(values)
     assert spec["engine"]["num_layers"] == 6 and spec["fill"]["startup"] is True
     RunSpec(**spec)  # the service takes it
+
+
+def test_a_points_key_stored_before_the_new_fields_matches_a_new_run_of_that_point() -> None:
+    old = {"model": TINY_MODEL_NAME, "input_len": 64, "output_len": 4, "mode": "fill", "range_ratio": 0.0,
+           "max_concurrency": 8, "request_rate": None, "burstiness": 1.0, "ramp_up": None,
+           "fill": {"mean": 0.015, "std": 0.0},
+           "engine": {"tensor_parallel_size": 1, "max_model_len": None, "dtype": None,
+                      "gpu_memory_utilization": None, "extra_args": [], "load_format": "auto"}}
+    new = RunSpec(input_len=64, output_len=4).model_dump()
+    assert point_key(old) == point_key(new)
+    assert point_key(RunSpec(input_len=64, output_len=4, fill={"startup": True}).model_dump()) != point_key(new)

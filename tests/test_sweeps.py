@@ -64,13 +64,14 @@ def test_points_that_do_not_fit_the_kv_cache_are_marked_infeasible(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STUB_KV_BLOCKS", "100")  # 1,600 tokens
-    body = {"base": BASE, "grid": {"input_len": [64, 4096]}}
+    # 1,004 tokens fit one request (vLLM fits its length to 1,584), not two at once.
+    body = {"base": BASE, "grid": {"input_len": [64, 1000]}}
     sweep = client.post("/api/sweeps", json=body).json()
     small, big = (wait_finished(client, r["id"]) for r in sweep["runs"])
     assert small["status"] == "succeeded"
     assert big["status"] == "failed"
-    assert big["error"].startswith("infeasible: 2 requests at once x 4,100 tokens each")
-    assert "= 8,200 tokens" in big["error"] and "holds 1,600" in big["error"]
+    assert big["error"].startswith("infeasible: 2 requests at once x 1,004 tokens each")
+    assert "= 2,008 tokens" in big["error"] and "holds 1,600" in big["error"]
     assert client.get(f"/api/runs/{big['id']}/requests").json() == []
     again = client.get(f"/api/sweeps/{sweep['id']}").json()
     assert again["progress"]["infeasible"] == 1

@@ -409,7 +409,7 @@ class Fleet(RegisteredServers):
             on(node["id"], node.get("address"))["servers"].append({
                 "id": handle.id, "model": handle.served_model, "url": handle.url, "ready": handle.ready,
                 "run_id": handle.busy_run, "stopping": handle.id in self._stopping,
-                "gpu_ids": node.get("gpu_ids") or [],
+                "gpu_ids": node.get("gpu_ids") or [], "max_model_len": handle.max_model_len,
             })
         for run_id, drivers in list(self._drivers.items()):
             for shard in drivers.placement:
@@ -422,5 +422,6 @@ def _row(handle: WorkerHandle, stopping: bool) -> WorkerRow:
     return WorkerRow(
         id=handle.id, key=handle.key, external=handle.external, ready=handle.ready,
         busy=handle.busy_run is not None, gpus=tuple(handle.gpus),
-        last_used=handle.last_used, stopping=stopping,
+        last_used=handle.last_used, stopping=stopping, max_model_len=handle.max_model_len,
+        max_len_why=handle.max_len_why(),
     )

@@ -60,8 +60,12 @@ class WorkerHandle:
     ready: bool = False
     # Tokens the server's KV cache holds, as it reports on /metrics (None if it does not say).
     kv_tokens: int | None = None
-    # A registered server's longest sequence, as its /v1/models says (None if it does not).
+    # The server's longest sequence (prompt plus output), as its /v1/models says: a started
+    # server's read once it is healthy, a registered one's at each probe (None: not said).
     max_model_len: int | None = None
+    # Started with ``--max-model-len -1`` (the run gave no engine.max_model_len): vLLM chose
+    # ``max_model_len`` to fit its KV cache memory.
+    auto_fit: bool = False
     # CPU workers: the binding variables it was started with and the cores vLLM reports.
     cpu_binding: dict[str, Any] | None = None
     # Registered servers: the last probe's complaint, and when last_seen_at was last written.
@@ -97,6 +101,16 @@ class WorkerHandle:
         """``": <why>"`` when the backend knows why the server ended (its node was lost),
         else nothing: for an error message."""
         return f": {self.gone}" if self.gone else ""
+
+    def max_len_why(self) -> str:
+        """Whose ``max_model_len`` this server's is and what a user can change, for the error
+        of a run longer than it."""
+        if self.external:
+            return f"the max_model_len of the registered server {self.url}; lower input_len or output_len"
+        if self.auto_fit:
+            return (f"the longest server {self.id} fits (vLLM auto-fit to its KV cache memory); lower "
+                    "input_len or output_len, or raise engine.gpu_memory_utilization")
+        return f"the engine.max_model_len of server {self.id}; lower input_len or output_len"
 
     def tail(self) -> str:
         """The last lines of the worker's log, or where to look for a registered server's.

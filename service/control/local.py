@@ -44,7 +44,7 @@ from service.control.procs import (
     stop_process_group,
 )
 from service.control.startup_errors import engine_failed, failure_message, is_wrapper, root_cause
-from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
+from service.control.vllm_cli import kv_capacity, model_vocab_size, served_max_model_len, worker_argv
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
 from service.settings import Settings
@@ -177,6 +177,7 @@ class LocalServers:
             gpus=gpus,
             vocab_size=model_vocab_size(model_path),
             cpu_binding=cpu_binding,
+            auto_fit=spec.engine.max_model_len is None,
         )
         hold(handle)
         self.tokens[worker_id] = token
@@ -184,13 +185,14 @@ class LocalServers:
         await asyncio.to_thread(workers.update_worker, self.engine, worker_id, pid=process.pid)
         await self._wait_healthy(handle)
         handle.kv_tokens = await kv_capacity(self.client, handle.url)
+        handle.max_model_len = await served_max_model_len(self.client, handle.url, spec.model)
         if cpu_binding is not None:
             # What vLLM made of the variables, as its worker logged it while starting.
             cores = parse_binding_log(await asyncio.to_thread(log_head, log_path))
             handle.cpu_binding = cpu_binding = {**cpu_binding, **(cores or {})}
         await asyncio.to_thread(workers.update_worker, self.engine, worker_id, status="ready",
                                 ready_at=utcnow(), kv_tokens=handle.kv_tokens,
-                                cpu_binding=cpu_binding)
+                                max_model_len=handle.max_model_len, cpu_binding=cpu_binding)
         # Ready only now, with no await before the caller takes it for its run: a ready
         # worker that is not busy is idle to placement, which would give it to a queued
         # run of the same kind while the run it was started for is still waiting for it.

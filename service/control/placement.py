@@ -20,6 +20,10 @@ time, so that runs never disturb each other. Rules, oldest queued run first:
   later runs of other kinds go past it; any other run that must wait stops the pass
   (first come, first served);
 - a run needing more GPUs than the service may use fails at once;
+- a run longer than the servers of its kind take fails at once, with the sums, when each
+  ready server of its kind says its ``max_model_len`` (what vLLM fitted to its KV cache
+  memory, or a registered server's): another server of the kind would fit no more. A
+  server never takes a run longer than its ``max_model_len``;
 - the two runs of a fill/prefill pair run back to back, never at once: a run whose pair
   has a run placed already waits (holding nothing, so later runs go past it), and then
   takes the server its partner ran on when that one is idle, so that the pair's ratio
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+
+from service.core.modelconfig import RequestLen
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,10 @@ class WorkerRow:
     last_used: float = 0.0
     # Set aside for eviction, not stopped yet: holds its GPUs, takes no runs.
     stopping: bool = False
+    # The longest sequence it takes, as it said (None: not known yet), and whose limit
+    # that is with what a user can change (``WorkerHandle.max_len_why``).
+    max_model_len: int | None = None
+    max_len_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,8 @@ class QueuedRow:
     key: str
     tensor_parallel_size: int = 1
     pair_id: str | None = None
+    # Its longest request (None: held to no server's length).
+    longest: RequestLen | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,10 @@ def place(
                 f"service may use ({len(gpus)}: {','.join(gpus)})",
             ))
             continue
+        too_long = _too_long(run, state)
+        if too_long is not None:
+            out.append(Decision(run.id, run.key, fail=too_long))
+            continue
         partner = (pair_servers or {}).get(run.pair_id) if run.pair_id else None
         decision = _place_one(run, state, gpus, partner)
         if decision is None:
@@ -114,6 +130,27 @@ def place(
     return out
 
 
+def _too_long(run: QueuedRow, state: _State) -> str | None:
+    """Why the run is longer than every ready server of its kind takes, when each of them
+    said its length; None while one may take it or one has not said."""
+    if run.longest is None:
+        return None
+    limits: list[tuple[int, str]] = []
+    for w in state.workers.values():
+        if w.key == run.key and w.ready and not w.stopping:
+            if w.max_model_len is None:
+                return None
+            limits.append((w.max_model_len, w.max_len_why))
+    if not limits:
+        return None
+    limit, why = max(limits)
+    return run.longest.over(limit, why)
+
+
+def _fits(run: QueuedRow, worker: WorkerRow) -> bool:
+    return run.longest is None or worker.max_model_len is None or run.longest.tokens <= worker.max_model_len
+
+
 def _waits_on_registered(run: QueuedRow, state: _State) -> bool:
     same = [w for w in state.workers.values() if w.key == run.key and not w.stopping]
     starting = any(k == run.key for k, _ in state.starting)
@@ -124,7 +161,7 @@ def _place_one(run: QueuedRow, state: _State, gpus: Sequence[str],
                partner: str | None = None) -> Decision | None:
     live = [w for w in state.workers.values() if not w.stopping]
     same = [w for w in live if w.key == run.key]
-    idle = [w for w in same if w.ready and not w.busy]
+    idle = [w for w in same if w.ready and not w.busy and _fits(run, w)]
     if idle:
         chosen = next((w for w in idle if w.id == partner), idle[0])
         state.workers[chosen.id] = replace(chosen, busy=True)

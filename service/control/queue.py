@@ -229,7 +229,7 @@ class Scheduler:
                 await self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}")
                 continue
             queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size,
-                                    run.pair_id))
+                                    run.pair_id, spec.longest_request()))
         pair_of = {row.id: row.pair_id for row in queued if row.pair_id}
         workers, starting = self.fleet.rows()
         failed: list[tuple[str, str]] = []

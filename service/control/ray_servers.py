@@ -51,7 +51,7 @@ from service.control.cpu_binding import binding_env, parse_binding_log
 from service.control.energy import EnergyMeter, result_of
 from service.control.handles import WorkerError, WorkerHandle
 from service.control.procs import WORKER_ENV, drain_to_capped_file, log_head, stop_process_group
-from service.control.vllm_cli import kv_capacity, model_vocab_size, worker_argv
+from service.control.vllm_cli import kv_capacity, model_vocab_size, served_max_model_len, worker_argv
 from service.core.ids import new_id, utcnow
 from service.core.shapes import ensure_bundled, is_bundled
 from service.core.spec import RunSpec
@@ -340,7 +340,7 @@ class RayServers:
         handle = WorkerHandle(
             id=worker_id, key=spec.worker_key(), url="", port=0, served_model=spec.model,
             process=process, log_path=Path(os.devnull), gpus=gpus, backend="ray",
-            remote_tail=process.tail,
+            remote_tail=process.tail, auto_fit=spec.engine.max_model_len is None,
         )
         hold(handle)
         self.tokens[worker_id] = token
@@ -425,11 +425,13 @@ class RayServers:
                                 log_path=f"{node['address']}:{started['log_path']}")
         await self._wait_healthy(handle, process, deadline)
         handle.kv_tokens = await kv_capacity(self.client, handle.url)
+        handle.max_model_len = await served_max_model_len(self.client, handle.url, spec.model)
         if handle.cpu_binding is not None:
             head = await self._ask(actor.head.remote())
             handle.cpu_binding = {**handle.cpu_binding, **(parse_binding_log(head) or {})}
         await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status="ready",
-                                ready_at=utcnow(), kv_tokens=handle.kv_tokens, cpu_binding=handle.cpu_binding)
+                                ready_at=utcnow(), kv_tokens=handle.kv_tokens,
+                                max_model_len=handle.max_model_len, cpu_binding=handle.cpu_binding)
 
     def _forwarded(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.settings.ray_forward_env.split(",") if p.strip())

@@ -163,7 +163,8 @@ class RegisteredServers:
         handle.ready = True
         handle.seen_written = time.monotonic()
         await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status="ready",
-                                ready_at=now, last_seen_at=now, error=None, kv_tokens=handle.kv_tokens)
+                                ready_at=now, last_seen_at=now, error=None, kv_tokens=handle.kv_tokens,
+                                max_model_len=handle.max_model_len)
         log.info("worker %s at %s answers; ready", handle.id, handle.url)
         return True
 

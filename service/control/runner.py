@@ -66,6 +66,13 @@ STOP_CHECK_S = 1.0
 STOP_CHECK_SHARE = 20
 
 
+def too_long(spec: RunSpec, handle: WorkerHandle) -> str | None:
+    """Why the run's longest request is longer than its server's ``max_model_len``, if it is."""
+    if handle.max_model_len is None:
+        return None
+    return spec.longest_request().over(handle.max_model_len, handle.max_len_why())
+
+
 class RunFailed(Exception):
     """The run cannot succeed; the message is its error as the user reads it."""
 
@@ -237,7 +244,11 @@ class Runner:
         handle = self.handle = await self._server()
         spec = self.spec
         batch = asked_concurrency(spec.max_concurrency, spec.prompt_budget(), spec.request_rate)
-        reason = infeasible(batch or 1, spec.longest_request_tokens(), handle.kv_tokens)
+        # A server shorter than the run (vLLM fitted its length to its KV cache memory once
+        # it was started for this run) would cut every request's output short: nothing is
+        # sent, and the server stays, idle, for runs it fits.
+        reason = too_long(spec, handle) or infeasible(batch or 1, spec.longest_request_tokens(),
+                                                      handle.kv_tokens)
         load_format = effective_load_format(spec.model, spec.engine.load_format)
         facts = provenance.service_facts()
 

@@ -18,6 +18,8 @@ from service.core.spec import EngineSpec, FillSpec, RunSpec, effective_load_form
 from service.settings import Settings
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+# vLLM's ``--max-model-len`` value for "the longest that fits the KV cache memory".
+AUTO_FIT = "-1"
 
 
 def read_model_config(model_path: str | Path) -> dict[str, Any] | None:
@@ -74,8 +76,10 @@ def engine_flags(model: str, engine: EngineSpec, on_cpu: bool) -> list[str]:
     mem = engine.gpu_memory_utilization or (0.3 if on_cpu else None)
     if mem is not None:
         flags += ["--gpu-memory-utilization", str(mem)]
-    if engine.max_model_len is not None:
-        flags += ["--max-model-len", str(engine.max_model_len)]
+    # Without engine.max_model_len, -1: vLLM takes the model's own length when its KV cache
+    # memory holds one request that long, else the longest it holds (it logs "Auto-fit
+    # max_model_len"), where with no flag it would refuse to start.
+    flags += ["--max-model-len", str(engine.max_model_len) if engine.max_model_len is not None else AUTO_FIT]
     if effective_load_format(model, engine.load_format) == "dummy":
         flags += ["--load-format", "dummy"]
     if on_cpu:
@@ -148,3 +152,25 @@ async def kv_capacity(client: httpx.AsyncClient, url: str) -> int | None:
             except (KeyError, ValueError):
                 return None
     return None
+
+
+def _card_max_model_len(listed: Any, served_model: str) -> int | None:
+    """The ``max_model_len`` a ``/v1/models`` answer gives for ``served_model``; None when it
+    lists no such model or gives no positive length. Raises KeyError or TypeError on an
+    answer that is no model list."""
+    for card in listed["data"]:
+        if card["id"] == served_model:
+            length = card.get("max_model_len")
+            return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+    return None
+
+
+async def served_max_model_len(client: httpx.AsyncClient, url: str, served_model: str) -> int | None:
+    """The longest sequence a server takes, as its ``/v1/models`` says (for a server started
+    with ``--max-model-len -1``, what vLLM fitted to its KV cache memory); None if it does
+    not say."""
+    try:
+        listed = (await client.get(f"{url}/v1/models", timeout=10.0)).json()
+        return _card_max_model_len(listed, served_model)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None

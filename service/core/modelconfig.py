@@ -7,6 +7,10 @@ wins where set), the tokenizer config's ``model_max_length`` when smaller, and m
 by the RoPE scaling factor for the scaling types that do not already count it; with no
 key at all it assumes 2048. A ``--max-model-len`` above that limit makes it refuse to
 start unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set.
+
+A server started with ``--max-model-len -1`` may take less: vLLM lowers the model's length
+to what its KV cache memory holds. ``RequestLen`` is a run's longest request held to such
+a server's limit.
 """
 
 from __future__ import annotations
@@ -34,6 +38,30 @@ class MaxLen:
 
     tokens: int
     source: str
+
+
+@dataclass(frozen=True)
+class RequestLen:
+    """A run's longest request: prompt and output tokens, ``range_ratio`` applied."""
+
+    input: int
+    output: int
+    range_ratio: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        """Prompt plus output: what vLLM holds to its ``max_model_len``."""
+        return self.input + self.output
+
+    def over(self, limit: int, why: str) -> str | None:
+        """Why this request does not fit a server whose ``max_model_len`` is ``limit``
+        (``why``: whose limit that is and what to change), with the sums; None if it fits.
+        "infeasible" first, as for a batch the KV cache cannot hold: a sweep counts both."""
+        if self.tokens <= limit:
+            return None
+        ranged = f" (the longest request at range_ratio {self.range_ratio:g})" if self.range_ratio else ""
+        return (f"infeasible: input {self.input} + output {self.output} = {self.tokens} tokens{ranged} "
+                f"> {limit}, {why}")
 
 
 def _number(value: Any) -> float | None:

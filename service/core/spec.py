@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from service.core import shapes
-from service.core.modelconfig import MaxLen, long_max_len_allowed, max_len_of, model_dir_max_len
+from service.core.modelconfig import MaxLen, RequestLen, long_max_len_allowed, max_len_of, model_dir_max_len
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 
 MAX_INPUT_LEN = 1 << 20
@@ -383,11 +383,14 @@ class RunSpec(Strict):
             return self.stop.min_prompts
         return min(self.prompt_budget(), max(8, 2 * (self.max_concurrency or 0)))
 
+    def longest_request(self) -> RequestLen:
+        """This run's longest request: its prompt and its output, ``range_ratio`` applied."""
+        return RequestLen(math.floor(self.input_len * (1 + self.range_ratio)),
+                          math.floor(self.output_len * (1 + self.range_ratio)), self.range_ratio)
+
     def longest_request_tokens(self) -> int:
         """KV cache tokens the longest request of this run needs (prompt plus output)."""
-        return math.floor(self.input_len * (1 + self.range_ratio)) + math.floor(
-            self.output_len * (1 + self.range_ratio)
-        )
+        return self.longest_request().tokens
 
     def worker_key(self) -> str:
         """Runs with equal keys can share one vLLM server."""
@@ -410,10 +413,17 @@ def point_key(spec: dict[str, Any]) -> str:
     stored before a field of the engine existed have the same key as runs that leave it
     at its default."""
     engine = spec.get("engine") or {}
+    fill = spec.get("fill")
     # A stored spec an older version accepted but this one refuses is keyed as it is.
     with contextlib.suppress(ValueError):
         engine = EngineSpec.model_validate(engine).model_dump()
-    point = {k: spec.get(k) for k in POINT_FIELDS} | {"engine": engine}
+        # Fields added since keys were first stored count only when set, so a stored key
+        # and a new run's key of the same point stay equal.
+        if engine.get("num_layers") is None:
+            engine.pop("num_layers", None)
+    if isinstance(fill, dict) and not fill.get("startup"):
+        fill = {k: v for k, v in fill.items() if k != "startup"}
+    point = {k: spec.get(k) for k in POINT_FIELDS} | {"engine": engine, "fill": fill}
     text = json.dumps(point, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

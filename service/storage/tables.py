@@ -122,6 +122,9 @@ class Worker(SQLModel, table=True):
     log_path: str
     gpus: str = ""
     kv_tokens: int | None = None
+    # The longest sequence it takes, as its /v1/models said once it was ready (a started
+    # server's: what vLLM fitted to its KV cache memory unless engine.max_model_len was given).
+    max_model_len: int | None = None
     runs_served: int = 0
     created_at: datetime = SQLField(default_factory=utcnow)
     ready_at: datetime | None = None

@@ -122,6 +122,8 @@ class WorkerPublic(BaseModel):
     external: bool
     gpus: str
     kv_tokens: int | None
+    # The longest sequence (prompt plus output) it takes, as its /v1/models said.
+    max_model_len: int | None = None
     runs_served: int
     created_at: datetime
     ready_at: datetime | None
