@@ -26,8 +26,12 @@ engine starts: vLLM binds it first),
 end, as a starved client or a buffering proxy would see it), ``STUB_MAX_RUNNING``
 (at most that many streams run at once; the others wait in the stub's queue,
 ``/metrics`` shows them waiting and, as vLLM's ``request_queue_time_seconds``, how
-long they waited). ``/stub/requests`` also shows the process's pid, the vLLM CPU
-binding variables it was started with and its ``--max-model-len`` as given.
+long they waited; ``--max-num-seqs`` does the same and reports the value in its engine
+settings, as vLLM does), ``STUB_ITL_SLOPE_S`` (each token comes that many seconds later
+per stream running: an inter-token time of ``STUB_TOKEN_INTERVAL_S + slope * running``,
+which gives a capacity search a known boundary). ``/stub/requests`` also shows the
+process's pid, the vLLM CPU binding variables it was started with and its
+``--max-model-len`` as given.
 
 ``/v1/models`` gives its ``max_model_len`` as vLLM resolves it: the flag's value; with
 none, the model's own (its directory's ``config.json`` read as vLLM reads it, 8192 for a
@@ -173,7 +177,7 @@ class Connector:
 
 def build_app(served_name: str, interval: float, startup_delay: float,
               kv_transfer_config: str | None = None, engine: dict[str, Any] | None = None,
-              max_model_len_flag: int | None = None) -> FastAPI:
+              max_model_len_flag: int | None = None, max_num_seqs: int | None = None) -> FastAPI:
     """The stub's app; ``max_model_len_flag``: its ``--max-model-len`` as given."""
     connector = Connector(kv_transfer_config, engine)
 
@@ -184,6 +188,9 @@ def build_app(served_name: str, interval: float, startup_delay: float,
 
     app = FastAPI(lifespan=lifespan)
     max_running = int(os.environ.get("STUB_MAX_RUNNING", "0"))
+    if max_num_seqs:
+        max_running = min(max_running, max_num_seqs) if max_running else max_num_seqs
+    slope = float(os.environ.get("STUB_ITL_SLOPE_S", "0"))
     slots = asyncio.Semaphore(max_running) if max_running else None
     started = time.monotonic()
     state: dict[str, Any] = {"requests": 0, "open": 0, "waiting": 0, "hung": False,
@@ -287,7 +294,8 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                         state["hung"] = True
                         print("stub: hanging as told", flush=True)
                         await asyncio.sleep(3600)
-                    await asyncio.sleep(interval)
+                    # A batch of more streams takes longer per step (STUB_ITL_SLOPE_S).
+                    await asyncio.sleep(interval + slope * (state["open"] - state["waiting"]))
                     chunk = {"id": "cmpl-stub", "object": "text_completion",
                              "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
                     event = f"data: {json.dumps(chunk)}\n\n".encode()
@@ -358,6 +366,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
     args, _unknown = parser.parse_known_args()
     # What vLLM would resolve these to for a small float32 model on a CPU.
     engine = {"dtype": "float32" if args.dtype == "auto" else args.dtype,
@@ -365,8 +374,8 @@ def main() -> None:
               "gpu_memory_utilization": args.gpu_memory_utilization,
               "tensor_parallel_size": args.tensor_parallel_size, "load_format": args.load_format,
               "enforce_eager": args.enforce_eager, "block_size": BLOCK_SIZE, "kv_cache_dtype": "auto",
-              "enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_seqs": 256,
-              "max_num_batched_tokens": 8192, "device": "cpu"}
+              "enable_prefix_caching": True, "enable_chunked_prefill": True,
+              "max_num_seqs": args.max_num_seqs or 256, "max_num_batched_tokens": 8192, "device": "cpu"}
     if os.environ.get("STUB_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.environ.get("STUB_PRINT_LOG"):
@@ -393,6 +402,7 @@ def main() -> None:
         args.kv_transfer_config,
         engine,
         args.max_model_len,
+        args.max_num_seqs,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = _KeepSignals(config) if os.environ.get("STUB_IGNORE_SIGTERM") else uvicorn.Server(config)

@@ -147,4 +147,5 @@ def test_a_points_key_stored_before_the_new_fields_matches_a_new_run_of_that_poi
                       "gpu_memory_utilization": None, "extra_args": [], "load_format": "auto"}}
     new = RunSpec(input_len=64, output_len=4).model_dump()
     assert point_key(old) == point_key(new)
-    assert point_key(RunSpec(input_len=64, output_len=4, fill={"startup": True}).model_dump()) != point_key(new)
+    at_start = RunSpec(input_len=64, output_len=4, fill={"startup": True})
+    assert point_key(at_start.model_dump()) != point_key(new)

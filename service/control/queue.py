@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
+from service.control import capacity
 from service.control.fleet import Fleet
 from service.control.placement import QueuedRow, place
 from service.control.runner import Runner, ensure_ended
@@ -67,8 +68,8 @@ class Scheduler:
 
     async def recover(self) -> None:
         """Fail runs interrupted by a previous crash, stop its orphaned workers, take back
-        the registered servers (unavailable until probed) and take the until_decided looks
-        it missed."""
+        the registered servers (unavailable until probed) and take the until_decided and
+        capacity search looks it missed."""
         failed = await asyncio.to_thread(store.fail_interrupted, self.engine)
         orphans = await self.fleet.recover()
         if failed or orphans:
@@ -84,6 +85,14 @@ class Scheduler:
             if pairs:
                 log.warning("recovered: %d pairs queued by until_decided looks missed while down",
                             pairs)
+        try:
+            probes = await asyncio.to_thread(capacity.catch_up, self.engine)
+        except Exception:
+            log.exception("capacity: catching up on the looks missed while down failed")
+        else:
+            if probes:
+                log.warning("recovered: %d probe runs queued by capacity looks missed while down",
+                            probes)
 
     async def start(self) -> None:
         """Recover, then start the loop and the registered servers' prober as tasks."""
@@ -217,16 +226,20 @@ class Scheduler:
         queued: list[QueuedRow] = []
         specs: dict[str, RunSpec] = {}
         in_sweep: set[str] = set()
+        in_capacity: set[str] = set()
         for run in await asyncio.to_thread(store.queued, self.engine, limit=PLACE_AHEAD):
             if run.sweep_id is not None:
                 in_sweep.add(run.id)
+            if run.capacity_id is not None:
+                in_capacity.add(run.id)
             if run.id in self._tasks:
                 continue  # placed already; its task has not moved it on yet
             try:
                 spec = specs[run.id] = RunSpec.stored(run.spec)
             except ValidationError as exc:
                 # One bad row must not hold up the queue: it fails, the others go on.
-                await self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}")
+                await self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}",
+                                        run.id in in_capacity)
                 continue
             queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size,
                                     run.pair_id, spec.longest_request()))
@@ -243,7 +256,8 @@ class Scheduler:
             placement = self.fleet.reserve(decision)
             run_id = decision.run_id
             runner = Runner(self.settings, self.engine, self.fleet, run_id, specs[run_id], placement,
-                            in_sweep=run_id in in_sweep, pair_id=pair_of.get(run_id))
+                            in_sweep=run_id in in_sweep, pair_id=pair_of.get(run_id),
+                            in_capacity=run_id in in_capacity)
             self._runners[run_id] = runner
             task = asyncio.create_task(self._execute_placed(runner), name=f"runner-{run_id}")
             self._tasks[run_id] = task
@@ -253,15 +267,25 @@ class Scheduler:
         # After the placements: no await may come between a decision and its task, or the
         # state the decision was made on could change under it.
         for run_id, error in failed:
-            await self._fail_queued(run_id, error)
+            await self._fail_queued(run_id, error, run_id in in_capacity)
 
-    async def _fail_queued(self, run_id: str, error: str) -> None:
+    async def _fail_queued(self, run_id: str, error: str, in_capacity: bool = False) -> None:
         def fail() -> None:
             # Through ``starting``: the status machine has no queued -> failed edge.
             store.transition(self.engine, run_id, RunStatus.starting)
             store.transition(self.engine, run_id, RunStatus.failed, error=error)
 
         await asyncio.to_thread(fail)
+        if in_capacity:
+            # No runner follows this run up: its search looks now, or it would wait forever.
+            await self._follow_capacity(run_id)
+
+    async def _follow_capacity(self, run_id: str) -> None:
+        """The look of the capacity search ``run_id`` is a probe of, after it ended."""
+        try:
+            await asyncio.to_thread(capacity.follow_up, self.engine, run_id)
+        except Exception:
+            log.exception("run %s: its capacity search's look failed", run_id)
 
     async def _reap_dead_workers(self) -> None:
         await self.fleet.reap_dead()
@@ -295,6 +319,8 @@ class Scheduler:
                     await asyncio.to_thread(follow_up, self.engine, run_id)
                 except Exception:
                     log.exception("run %s: its sweep's until_decided rule failed", run_id)
+            if runner.in_capacity:  # the next probes of its search
+                await self._follow_capacity(run_id)
         finally:
             self._runners.pop(run_id, None)
             self._tasks.pop(run_id, None)

@@ -81,7 +81,8 @@ class Runner:
     """Owns one placed run until it is succeeded, failed or cancelled."""
 
     def __init__(self, settings: Settings, engine: Engine, fleet: Fleet, run_id: str, spec: RunSpec,
-                 placement: Placement, in_sweep: bool = False, pair_id: str | None = None) -> None:
+                 placement: Placement, in_sweep: bool = False, pair_id: str | None = None,
+                 in_capacity: bool = False) -> None:
         self.settings = settings
         self.engine = engine
         self.fleet = fleet
@@ -89,6 +90,8 @@ class Runner:
         self.spec = spec
         # A run of a sweep (whose until_decided rule may follow it up when it ends).
         self.in_sweep = in_sweep
+        # A probe of a capacity search (which queues its next probes when it ends).
+        self.in_capacity = in_capacity
         # The fill/prefill pair the run is half of: its partner waits while it runs.
         self.pair_id = pair_id
         self.placement = placement

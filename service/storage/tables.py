@@ -1,4 +1,5 @@
-"""The database tables: runs, samples, sweeps, baselines, workers, scraped server metrics."""
+"""The database tables: runs, samples, sweeps, capacity searches, baselines, workers,
+scraped server metrics."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ class Run(SQLModel, table=True):
     # id; ``pair_order`` 0 ran first (the order is drawn per pair).
     pair_id: str | None = SQLField(default=None, index=True)
     pair_order: int | None = None
+    # The capacity search the run is a probe of (``CapacitySearch``).
+    capacity_id: str | None = SQLField(default=None, index=True)
     # ``point_key`` of the spec: runs of the same point, for baselines.
     point: str | None = SQLField(default=None, index=True)
     # The setup its numbers came from (see ``service.core.provenance.snapshot``), taken when it
@@ -77,6 +80,33 @@ class Sweep(SQLModel, table=True):
     # ``{"until_decided": {"max_pairs": n}}``: run pairs until every point is decided.
     options: dict[str, Any] | None = SQLField(default=None, sa_column=Column(JSON))
     created_at: datetime = SQLField(default_factory=utcnow, index=True)
+
+
+class CapacitySearch(SQLModel, table=True):
+    """A capacity search: per input length, the largest concurrency whose SLA holds
+    (``service.analysis.capacity``); its probes are runs with its ``capacity_id``."""
+
+    __tablename__ = "capacity_search"
+
+    id: str = SQLField(primary_key=True)
+    # The run fields every probe shares (a ``RunSpec``), the input lengths and the SLA
+    # (``{"metric", "max_ms"}``), as asked.
+    base: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    input_lens: list[int] = SQLField(sa_column=Column(JSON, nullable=False))
+    sla: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    max_concurrency: int | None = None
+    max_runs: int
+    # The plan fixed at its start (``capacity.Plan.as_dict``: ceiling, looks, confidence per look).
+    plan: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
+    # Each probe's latest look at its interval, by ``capacity.look_key``; and why input
+    # lengths stopped undecided, by input length.
+    looks: dict[str, Any] = SQLField(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    ended: dict[str, Any] = SQLField(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    # "active" until it ends "succeeded" (every input length decided), "failed" or "cancelled".
+    status: str = SQLField(default="active", index=True)
+    error: str | None = None
+    created_at: datetime = SQLField(default_factory=utcnow, index=True)
+    finished_at: datetime | None = None
 
 
 class SampleRow(SQLModel, table=True):

@@ -54,6 +54,8 @@ class RunPublic(BaseModel):
     pair_id: str | None = None
     pair_order: int | None = None
     provenance: dict[str, Any] | None = None
+    # The capacity search the run is a probe of.
+    capacity_id: str | None = None
 
     @classmethod
     def of(cls, run: Run) -> RunPublic:
@@ -81,6 +83,7 @@ class RunPublic(BaseModel):
             pair_id=run.pair_id,
             pair_order=run.pair_order,
             provenance=run.provenance,
+            capacity_id=run.capacity_id,
         )
 
 
@@ -245,3 +248,105 @@ class ServerMetricsPublic(BaseModel):
     run_id: str
     points: list[ServerPointPublic]
     summary: ServerMetricsSummary
+
+
+class Figure(BaseModel):
+    """A figure with its interval and the interval's confidence."""
+
+    value: float
+    ci: list[float]
+    confidence: float
+
+
+class CapacityProbe(BaseModel):
+    """One concurrency a capacity search probed: its trials, its SLA figure (ms) with the
+    interval of its latest look, and its verdict: ``pass``, ``fail``, ``undecided``,
+    ``capped`` (the server ran fewer at once: ``capped`` says why), ``refused`` (the batch
+    does not fit the KV cache: ``refused`` gives the arithmetic), ``queued``, ``running``,
+    ``failed`` or ``unmeasured``."""
+
+    concurrency: int
+    trials: int
+    run_ids: list[str]
+    figure_ms: float | None
+    ci_ms: list[float] | None
+    confidence: float | None
+    verdict: str
+    # "interval", or "point estimate" for a verdict at the trial cap.
+    decided_by: str | None
+    capped: str | None
+    refused: str | None
+
+
+class CapacityContext(BaseModel):
+    """One input length of a capacity search: the boundary found (or so far), how sure it
+    is, its probes, the decode rates at the boundary, the runs it spent and its wall time."""
+
+    input_len: int
+    # "probing", "decided" or "stopped" (undecided; ``error`` says why).
+    state: str
+    decided: bool
+    # The last passing concurrency (0: none passed) and the first failing one (null: none
+    # failed below the bound).
+    max_concurrency: int
+    first_failing: int | None
+    # What stopped the upward search: "sla" (a probe failed), or the bound it reached:
+    # "max_concurrency", "kv_cache", "max_num_seqs", "capped", "refused"; and why.
+    limited_by: str
+    limit_reason: str
+    # With this confidence the boundary lies in ``boundary_range`` (see ``statement``).
+    confidence: float
+    boundary_range: list[int]
+    decided_by_point_estimate: list[int]
+    statement: str
+    probes: list[CapacityProbe]
+    # Decode output tokens/s at ``max_concurrency``: one stream's (1 / its median TPOT over
+    # the full-batch window) and the server's (max_concurrency streams), 95% intervals.
+    tokens_per_s_per_user: Figure | None
+    tokens_per_s_per_server: Figure | None
+    runs: int
+    wall_s: float | None
+    error: str | None
+
+
+class CapacityPublic(BaseModel):
+    """A capacity search as the API returns it."""
+
+    id: str
+    # queued, running, succeeded, failed or cancelled.
+    status: str
+    created_at: datetime
+    finished_at: datetime | None
+    base: dict[str, Any]
+    input_lens: list[int]
+    sla: dict[str, Any]
+    max_concurrency: int | None
+    max_runs: int
+    # Fixed at its start: ceiling, trial cap, looks planned, confidence of each and of the answer.
+    plan: dict[str, Any]
+    runs: int
+    wall_s: float | None
+    error: str | None
+    contexts: list[CapacityContext]
+
+
+class CapacitySummary(BaseModel):
+    """A capacity search in a list."""
+
+    id: str
+    status: str
+    created_at: datetime
+    model: str
+    input_lens: list[int]
+    sla: dict[str, Any]
+    # Its runs by status (only the statuses it has).
+    runs: dict[str, int]
+
+
+class CapacityList(BaseModel):
+    """A page of capacity searches."""
+
+    searches: list[CapacitySummary]
+    total: int
+    limit: int
+    offset: int

@@ -1,0 +1,101 @@
+"""Capacity searches at work: after each probe run ends, look at the probes whose trials
+have all ended and queue the next probes the planner asks for
+(``service.analysis.capacity.next_step``), until every input length is decided, stopped
+or the search's run budget is spent.
+
+Looks are taken one at a time (``_LOOKING``), as ``until_decided``'s are: two probe runs
+ending together must not both see the search wanting a probe and both queue it. A look
+the service did not take because it stopped between a run's end and the look is taken at
+the next start (``catch_up``). Called in worker threads: the looks bootstrap intervals.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from sqlalchemy import Engine
+
+from service.analysis.capacity import assess, ceiling_bound, look_key, probe_runs, take_look
+from service.core.errors import NotFound
+from service.storage import capacity, measurements, store
+
+log = logging.getLogger(__name__)
+
+# The service is one process; this lock orders its looks (see the module docstring).
+_LOOKING = threading.Lock()
+
+
+def follow_up(engine: Engine, run_id: str) -> int:
+    """After ``run_id`` ended: when it is a probe of an active search, take the looks due
+    and queue the probes that come next. How many runs were queued."""
+    with _LOOKING:
+        try:
+            run = store.get_run(engine, run_id)
+        except NotFound:
+            return 0  # deleted meanwhile
+        if run.capacity_id is None:
+            return 0
+        return advance(engine, run.capacity_id)
+
+
+def catch_up(engine: Engine) -> int:
+    """Take the looks missed while the service was down, for every active search. How
+    many runs were queued."""
+    queued = 0
+    for search_id in capacity.active_ids(engine):
+        with _LOOKING:
+            queued += advance(engine, search_id)
+    return queued
+
+
+def advance(engine: Engine, search_id: str) -> int:
+    """One look at a search: bootstrap the probes whose trials all ended since their last
+    look, ask the planner per input length, queue what it asks for within the run budget,
+    and end the search once every input length is decided or stopped. How many runs were
+    queued. Call it holding ``_LOOKING`` (``follow_up`` and ``catch_up`` do)."""
+    search, runs = capacity.get_search(engine, search_id)
+    if search.status != capacity.ACTIVE:
+        return 0
+    metric, max_ms = str(search.sla["metric"]), float(search.sla["max_ms"])
+    per_look = float(search.plan["per_look_confidence"])
+    looks = dict(search.looks)
+    for probes in probe_runs(runs).values():
+        for probe in probes.values():
+            if probe.needs_look(looks):
+                trials = probe.succeeded()
+                samples = [measurements.get_samples(engine, r.id) for r in trials]
+                looks[look_key(probe.input_len, probe.concurrency)] = take_look(
+                    samples, [r.id for r in trials], metric, probe.concurrency, per_look)
+    bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
+    contexts = assess(search.input_lens, max_ms, bound, runs, looks, search.ended,
+                      trial_cap=int(search.plan["trial_cap"]))
+    ended = dict(search.ended)
+    wanted: list[tuple[int, int]] = []
+    left = search.max_runs - len(runs)
+    for context in contexts:
+        step, key = context.step, str(context.input_len)
+        if key in ended or step.done or step.wait:
+            continue
+        if step.error is not None:
+            ended[key] = step.error
+        elif len(step.queue) > left:
+            ended[key] = (f"max_runs ({search.max_runs}) spent before the boundary was decided "
+                          f"(it asked for {len(step.queue)} more at {', '.join(map(str, step.queue))})")
+        else:
+            wanted += [(context.input_len, c) for c in step.queue]
+            left -= len(step.queue)
+    over = all(c.step.done or str(c.input_len) in ended for c in contexts) and not wanted
+    status = error = None
+    if over:
+        status = "failed" if ended else "succeeded"
+        error = "; ".join(f"input_len {k}: {why}" for k, why in ended.items()) or None
+    added = capacity.advance(engine, search_id, looks, ended, wanted, status, error)
+    if added is None:
+        return 0  # cancelled while this look was taken
+    if added:
+        log.info("capacity search %s: queued %s", search_id,
+                 ", ".join(f"{length}@{c}" for length, c in wanted))
+    if status is not None:
+        log.info("capacity search %s %s%s", search_id, status, f": {error}" if error else "")
+    return len(added)

@@ -1,0 +1,122 @@
+"""A capacity search as a client asks for it: a base ``RunSpec``, the input lengths, the
+latency limit (SLA) and the bounds; and the fill run that probes one concurrency.
+
+The search itself (which concurrency to probe next, when the boundary is decided) is
+``service.analysis.capacity``; its runs are queued by ``service.control.capacity``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from service.core.spec import MAX_INPUT_LEN, MAX_PROMPTS, Int, RunSpec, Strict, bounded_int
+
+# The summary's steady-window decode figures a limit may be put on (``service.analysis.metrics``).
+SLA_METRICS = ("decode_median_itl_ms", "decode_p99_itl_ms", "decode_median_tpot_ms",
+               "decode_p99_tpot_ms")
+SlaMetric = Literal["decode_median_itl_ms", "decode_p99_itl_ms", "decode_median_tpot_ms",
+                    "decode_p99_tpot_ms"]
+
+# The highest concurrency a search may probe (``RunSpec.max_concurrency``'s own bound), and
+# the one it plans for when the body gives none: vLLM's largest default ``max_num_seqs``.
+MAX_CEILING = 100_000
+DEFAULT_CEILING = 1024
+# Runs one search may queue in all; by default this many per input length.
+MAX_CAPACITY_RUNS = 256
+DEFAULT_RUNS_PER_CONTEXT = 32
+MAX_INPUT_LENS = 16
+
+# A probe at concurrency C sends max(MIN_PROBE_PROMPTS, PROBE_WAVES * C) requests, C at a
+# time: its streams start together and, with one output length, end together, so the batch
+# is full for PROBE_WAVES waves of C; the figure is taken over the gaps while all C decoded
+# (``service.analysis.capacity.sla_figure``). At C = 1 the floor gives the interval 16
+# requests to resample.
+PROBE_WAVES = 4
+MIN_PROBE_PROMPTS = 16
+
+# RunSpec fields the search sets on every probe: a base that sets them is refused.
+PROBE_FIELDS = ("input_len", "max_concurrency", "num_prompts", "request_rate", "ramp_up",
+                "repeats", "stop")
+
+
+class Sla(Strict):
+    """The latency limit: a steady-window decode figure of the summary, at most ``max_ms``."""
+
+    metric: SlaMetric
+    max_ms: float = Field(gt=0, le=1e7, allow_inf_nan=False)
+
+
+class CapacityCreate(Strict):
+    """A capacity search: per input length, the largest concurrency whose SLA holds."""
+
+    base: RunSpec = Field(default_factory=RunSpec)
+    input_lens: list[bounded_int(1, MAX_INPUT_LEN)] = Field(  # type: ignore[valid-type]
+        min_length=1, max_length=MAX_INPUT_LENS)
+    sla: Sla
+    # The highest concurrency to probe; DEFAULT_CEILING when not given.
+    max_concurrency: Int | None = Field(default=None, ge=1, le=MAX_CEILING)
+    # Runs the search may spend in all; DEFAULT_RUNS_PER_CONTEXT per input length when not given.
+    max_runs: Int | None = Field(default=None, ge=1, le=MAX_CAPACITY_RUNS)
+
+    @field_validator("base")
+    @classmethod
+    def _base_leaves_the_probe_alone(cls, base: RunSpec) -> RunSpec:
+        owned = [f for f in PROBE_FIELDS if f in base.model_fields_set]
+        if owned:
+            raise ValueError(f"base sets {', '.join(owned)}, which the search sets on each probe "
+                             f"(it sets {', '.join(PROBE_FIELDS)}): leave them out")
+        if base.mode != "fill":
+            raise ValueError('a probe is a fill run: base.mode must be "fill"')
+        return base
+
+    @field_validator("input_lens")
+    @classmethod
+    def _distinct(cls, lens: list[int]) -> list[int]:
+        twice = sorted({n for n in lens if lens.count(n) > 1})
+        if twice:
+            raise ValueError(f"input_lens names {', '.join(map(str, twice))} more than once")
+        return lens
+
+    @model_validator(mode="after")
+    def _probes_are_runs(self) -> CapacityCreate:
+        if self.max_runs is not None and self.max_runs < len(self.input_lens):
+            raise ValueError(f"max_runs ({self.max_runs}) is below one run per input length "
+                             f"({len(self.input_lens)})")
+        for input_len in self.input_lens:
+            try:
+                probe_spec(self.base, input_len, 1, 0)
+            except ValueError as exc:
+                raise ValueError(f"input_lens: {input_len} makes no valid run: {exc}") from exc
+        return self
+
+    def ceiling(self) -> int:
+        """The highest concurrency the search plans for."""
+        return self.max_concurrency or DEFAULT_CEILING
+
+    def runs_budget(self) -> int:
+        """Runs the search may spend in all."""
+        if self.max_runs is not None:
+            return self.max_runs
+        return min(MAX_CAPACITY_RUNS, DEFAULT_RUNS_PER_CONTEXT * len(self.input_lens))
+
+
+def probe_prompts(concurrency: int) -> int:
+    """Requests a probe at ``concurrency`` sends (see ``PROBE_WAVES``)."""
+    return min(MAX_PROMPTS, max(MIN_PROBE_PROMPTS, PROBE_WAVES * concurrency))
+
+
+def probe_spec(base: RunSpec | Mapping[str, Any], input_len: int, concurrency: int, trial: int,
+               stored: bool = False) -> RunSpec:
+    """The fill run of trial ``trial`` (seed ``base.seed + trial``) of the probe at
+    ``concurrency`` requests in flight and ``input_len``; ``base``: a spec, or one as a
+    search stores it (without the fields a probe sets); ``stored``: checked as a spec read
+    back from the database (no look at the filesystem). A ValueError if it is no valid run."""
+    data = base.model_dump() if isinstance(base, RunSpec) else dict(base)
+    seed = int(data.get("seed", 0))
+    data.update(input_len=input_len, max_concurrency=concurrency,
+                num_prompts=probe_prompts(concurrency), request_rate=None, ramp_up=None,
+                repeats=1, stop=None, mode="fill", seed=(seed + trial) % 2**32)
+    return RunSpec.stored(data) if stored else RunSpec.model_validate(data)

@@ -1,0 +1,105 @@
+"""Capacity searches: per input length, the largest concurrency whose decode latency
+stays under a limit, found by probing (``service.analysis.capacity``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+
+from service.analysis.capacity import plan_for
+from service.core.capacity import CapacityCreate, probe_spec
+from service.core.errors import Conflict
+from service.core.status import FINISHED
+from service.storage import capacity, logs
+from service.web import capacity_view
+from service.web.api.runs import cancel_one, check_backend, check_fits, check_model
+from service.web.deps import ADMIN, DB, READ, Sched
+from service.web.errors import ERROR_RESPONSES, ErrorBody
+from service.web.schemas import CapacityList, CapacityPublic, CapacitySummary
+
+log = logging.getLogger(__name__)
+router = APIRouter(responses=ERROR_RESPONSES)
+
+
+@router.post("/api/capacity", status_code=201, response_model=CapacityPublic, dependencies=ADMIN)
+def submit_capacity(body: CapacityCreate, request: Request, engine: DB, scheduler: Sched) -> CapacityPublic:
+    """Start a capacity search: per input length, the largest concurrency at which the SLA
+    figure holds, probing from one request up; the first probes are queued now."""
+    check_model(request, engine, body.base.model)
+    specs = [probe_spec(body.base, length, 1, 0) for length in body.input_lens]
+    for spec in specs:
+        check_backend(request, spec)
+    check_fits(request, engine, specs)
+    search = capacity.create_search(engine, body, plan_for(body.ceiling()).as_dict())
+    scheduler.notify()
+    log.info("capacity search %s: input_lens %s, %s <= %g ms", search.id, body.input_lens,
+             body.sla.metric, body.sla.max_ms)
+    return capacity_view.capacity_public(engine, search.id)
+
+
+@router.get("/api/capacity", response_model=CapacityList, dependencies=READ)
+def list_capacity(
+    engine: DB,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> CapacityList:
+    """List capacity searches, newest first, with their runs counted by status."""
+    page, total = capacity.search_page(engine, limit, offset)
+    found = []
+    for search, counts in page:
+        status = search.status
+        if status == capacity.ACTIVE:
+            status = "running" if set(counts) - {"queued"} else "queued"
+        found.append(CapacitySummary(id=search.id, status=status, created_at=search.created_at,
+                                     model=str(search.base.get("model", "")),
+                                     input_lens=search.input_lens, sla=search.sla, runs=counts))
+    return CapacityList(searches=found, total=total, limit=limit, offset=offset)
+
+
+@router.get("/api/capacity/{search_id}", response_model=CapacityPublic, dependencies=READ)
+def get_capacity(search_id: str, engine: DB) -> CapacityPublic:
+    """A capacity search: its status and, per input length, the boundary so far (last
+    passing and first failing concurrency), the range that holds it at the stated
+    confidence, every probe with its figure, interval and verdict, the decode rates at the
+    boundary, the runs spent and the wall time."""
+    return capacity_view.capacity_public(engine, search_id)
+
+
+@router.post("/api/capacity/{search_id}/cancel", response_model=CapacityPublic, dependencies=ADMIN)
+def cancel_capacity(search_id: str, engine: DB, scheduler: Sched) -> CapacityPublic:
+    """Cancel a capacity search: it queues no more probes, and its unfinished runs are
+    cancelled (a run being measured keeps what it measured); 409 once it has ended."""
+    if not capacity.stop(engine, search_id, "cancelled by the user"):
+        _, runs = capacity.get_search(engine, search_id)
+        if all(r.status in FINISHED for r in runs):
+            raise Conflict(f"capacity search {search_id} has already ended; nothing to cancel")
+    # Once stopped it queues nothing more (``capacity.advance`` checks in its transaction),
+    # so this read holds every run it will have.
+    _, runs = capacity.get_search(engine, search_id)
+    for run in runs:
+        if run.status not in FINISHED:
+            cancel_one(engine, scheduler, run.id, "cancelled by the user (its capacity search)")
+    return capacity_view.capacity_public(engine, search_id)
+
+
+@router.delete(
+    "/api/capacity/{search_id}", status_code=204, dependencies=ADMIN,
+    responses={204: {"description": "Deleted, with its runs, their samples and driver logs"},
+               409: {"model": ErrorBody, "description": "It has not ended: cancel it first"}},
+)
+def delete_capacity(search_id: str, request: Request, engine: DB, scheduler: Sched) -> Response:
+    """Delete an ended capacity search with its runs, their samples, server metrics,
+    baseline marks and driver logs; 409 while it searches or a run of it has not finished
+    (cancel it first)."""
+    _, runs = capacity.get_search(engine, search_id)
+    saving = [r.id for r in runs if r.status in FINISHED and scheduler.handling(r.id)]
+    if saving:
+        raise Conflict(f"run {saving[0]} of capacity search {search_id} has finished but is "
+                       "still saving what it measured; delete the search in a moment")
+    deleted = capacity.delete_search(engine, search_id)
+    files = sum(len(logs.delete_run_files(request.app.state.settings.logs_dir, run_id))
+                for run_id in deleted)
+    log.info("capacity search %s deleted with %d runs and %d log files", search_id, len(deleted), files)
+    return Response(status_code=204)

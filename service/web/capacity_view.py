@@ -1,0 +1,90 @@
+"""A capacity search as the API shows it: per input length the boundary, how sure it is,
+its probes and the decode rates there (from ``service.analysis.capacity.assess``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import Engine
+
+from service.analysis.capacity import Context, assess, ceiling_bound, wall_s
+from service.analysis.intervals import Interval
+from service.core.ids import utcnow
+from service.core.status import RunStatus
+from service.storage import capacity
+from service.storage.tables import CapacitySearch, Run
+from service.web.schemas import CapacityContext, CapacityProbe, CapacityPublic, Figure
+
+
+def status_of(search: CapacitySearch, runs: Sequence[Run]) -> str:
+    """``queued`` until a probe run has left the queue, then ``running``, then how it ended."""
+    if search.status != capacity.ACTIVE:
+        return search.status
+    return "running" if any(r.status != RunStatus.queued.value for r in runs) else "queued"
+
+
+def _figure(interval: Interval | None, scale: float = 1.0) -> Figure | None:
+    if interval is None:
+        return None
+    return Figure(value=interval.value * scale, ci=[interval.lo * scale, interval.hi * scale],
+                  confidence=interval.confidence)
+
+
+def _statement(search: CapacitySearch, context: Context, decided: bool) -> str:
+    """The answer in a sentence: the boundary, the range that holds it at the plan's
+    confidence, and what a point estimate decided."""
+    step = context.step
+    sla = f"{search.sla['metric']} <= {search.sla['max_ms']:g} ms"
+    confidence = float(search.plan["confidence"])
+    low, high = step.surely
+    where = f"[{low}, {high}]" if low != high else f"{low}"
+    if not decided:
+        return (f"not decided yet: {step.last_pass} passed {sla} so far"
+                + (f", {step.first_fail} failed" if step.first_fail is not None else ""))
+    found = f"largest concurrency with {sla} at input_len {context.input_len}: {step.last_pass}"
+    if step.first_fail is None:
+        found += f" (bound reached: {step.bound.reason})"
+    sure = (f"with {confidence:.0%} confidence it is {where}" if low == high
+            else f"with {confidence:.0%} confidence it lies in {where}")
+    if step.by_point_estimate:
+        points = ", ".join(map(str, step.by_point_estimate))
+        sure += (f"; decided at {points} by the point estimate after "
+                 f"{search.plan['trial_cap']} trials (the interval straddled the limit)")
+    return f"{found}; {sure}"
+
+
+def context_public(search: CapacitySearch, context: Context) -> CapacityContext:
+    """One input length as the API shows it."""
+    step = context.step
+    decided = context.decided
+    state = "decided" if decided else ("stopped" if context.ended is not None else "probing")
+    per_user = context.per_user
+    rate = _figure(per_user)
+    return CapacityContext(
+        input_len=context.input_len, state=state, decided=decided,
+        max_concurrency=step.last_pass, first_failing=step.first_fail,
+        limited_by="sla" if step.first_fail is not None else step.bound.kind,
+        limit_reason=(f"the probe at {step.first_fail} failed the SLA" if step.first_fail is not None
+                      else step.bound.reason),
+        confidence=float(search.plan["confidence"]), boundary_range=list(step.surely),
+        decided_by_point_estimate=list(step.by_point_estimate),
+        statement=_statement(search, context, decided),
+        probes=[CapacityProbe(**p) for p in context.probes],
+        tokens_per_s_per_user=rate,
+        tokens_per_s_per_server=_figure(per_user, step.last_pass) if step.last_pass else None,
+        runs=context.runs, wall_s=context.wall_s, error=context.ended or step.error)
+
+
+def capacity_public(engine: Engine, search_id: str) -> CapacityPublic:
+    """A search with its status, plan and, per input length, where it stands."""
+    search, runs = capacity.get_search(engine, search_id)
+    bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
+    contexts = assess(search.input_lens, float(search.sla["max_ms"]), bound, runs, search.looks,
+                      search.ended, cancelled=search.status == "cancelled",
+                      trial_cap=int(search.plan["trial_cap"]))
+    return CapacityPublic(
+        id=search.id, status=status_of(search, runs), created_at=search.created_at,
+        finished_at=search.finished_at, base=search.base, input_lens=search.input_lens,
+        sla=search.sla, max_concurrency=search.max_concurrency, max_runs=search.max_runs,
+        plan=search.plan, runs=len(runs), wall_s=wall_s(runs, utcnow()), error=search.error,
+        contexts=[context_public(search, c) for c in contexts])
