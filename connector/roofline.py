@@ -51,16 +51,35 @@ def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
 def streamed_params(config: Any, trust_remote_code: bool = False) -> int:
     """Parameters a decode step reads: all of them but the input embedding table (a gather
     of a few rows). A tied embedding is read once per step, as the LM head."""
+    return counted_params(config, trust_remote_code)[0]
+
+
+def counted_params(config: Any, trust_remote_code: bool = False) -> tuple[int, int]:
+    """``streamed_params``, and how many of them are routed experts' (parameters under an
+    ``experts`` module: a step reads only the experts its tokens are routed to; shared
+    experts and the router are read every step)."""
     model = meta_model(config, trust_remote_code)
     total = sum(p.numel() for p in model.parameters())  # shared parameters once
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in f".{name}")
     embedding = model.get_input_embeddings()
     table = getattr(embedding, "weight", None)
     if not isinstance(table, torch.Tensor):
-        return int(total)
+        return int(total), int(experts)
     head = model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is table:
-        return int(total)
-    return int(total - table.numel())
+        return int(total), int(experts)
+    return int(total - table.numel()), int(experts)
+
+
+def routing(config: Any) -> tuple[int, int] | None:
+    """(routed experts per layer, experts per token) of a mixture of experts, else None."""
+    text = _text_config(config)
+    experts = next((getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(getattr(text, k, None), int) and getattr(text, k) > 0), None)
+    per_token = getattr(text, "num_experts_per_tok", None)
+    if experts is None or not isinstance(per_token, int) or per_token <= 0:
+        return None
+    return experts, per_token
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -226,8 +245,14 @@ def facts(
 ) -> dict[str, Any]:
     """The ``roofline`` block of the provenance report, for one tensor-parallel rank."""
     tp = max(1, int(tensor_parallel_size))
-    params = streamed_params(config, trust_remote_code)
+    params, expert_params = counted_params(config, trust_remote_code)
+    routed = routing(config)
+    moe: dict[str, Any] = {}
+    if routed is not None and expert_params:
+        moe = {"expert_weight_bytes": expert_params * element_size(weight_dtype) // tp,
+               "num_experts": routed[0], "experts_per_token": routed[1]}
     return {
+        **moe,
         "weight_bytes": params * element_size(weight_dtype) // tp,
         "weight_params": params,
         "kv_bytes_per_token": kv_bytes_per_token(kv_caches, block_sizes, num_blocks),

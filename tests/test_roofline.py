@@ -173,3 +173,32 @@ def test_a_server_that_did_not_report_its_sizes_has_no_roofline(client: Any) -> 
     assert "not known: the server&#39;s connector did not report its model and KV sizes" in page \
         or "not known: the server's connector did not report its model and KV sizes" in page
     assert client.get(f"/api/runs/{run_id}/export").json()["decodebench"]["roofline"] is None
+
+
+def test_a_mixture_of_experts_step_reads_only_the_experts_its_batch_touches() -> None:
+    # 128 experts, 8 per token: one token touches 8; 4/3 tokens on average touch
+    # 128 x (1 - (120/128)^(4/3)) of them. Routed experts hold 800 of the 1000 weight bytes.
+    moe = {**facts(), "expert_weight_bytes": 800, "num_experts": 128, "experts_per_token": 8}
+    out = roofline(TWO, moe, 5.38)
+    assert out is not None
+    touched = 128 * (1 - (120 / 128) ** (4 / 3))
+    assert out["weight_bytes"] == pytest.approx(200 + 800 * touched / 128)
+    assert out["bytes_per_step"] == pytest.approx(out["weight_bytes"] + 1690.0)
+    # A dense model of the same bytes reads them all.
+    assert roofline(TWO, facts(), 5.38)["weight_bytes"] == 1000  # type: ignore[index]
+
+
+def test_the_connector_counts_a_mixture_of_experts_routed_weights_apart(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from connector.roofline import counted_params, routing
+    from service.core import shapes
+
+    model = "decodebench-shapes/qwen3-30b-a3b"
+    config = AutoConfig.from_pretrained(shapes.ensure_shape(tmp_path, model, 1))
+    total, experts = counted_params(config)
+    # One layer: 128 experts x (gate, up, down) of 2048 x 768.
+    assert experts == 128 * 3 * 2048 * 768
+    assert total > experts and routing(config) == (128, 8)
+    dense = AutoConfig.from_pretrained(shapes.ensure_shape(tmp_path, "decodebench-shapes/smollm2-135m", 2))
+    assert counted_params(dense)[1] == 0 and routing(dense) is None

@@ -12,6 +12,12 @@ bandwidth is one device's: each rank reads its own share from its own memory at 
 time. ``pct_of_roofline`` is that floor over the measured decode median ITL, in percent:
 100 would be a decode that does nothing but stream its bytes at full bandwidth.
 
+A mixture of experts reads only the routed experts its tokens go to: with ``E`` experts a
+layer, ``k`` per token and a batch of ``B`` tokens a step, routed uniformly at random (as a
+router with dummy weights does), a step touches ``E x (1 - (1 - k/E)^B)`` experts a layer on
+average, and reads that share of the routed experts' bytes (``expert_weight_bytes``) besides
+everything else. Real routing is skewed (some experts hot), which touches fewer.
+
 Batch and context come from the samples, over the steady decode window of
 ``service.analysis.metrics`` (the gaps while no request of the run waited for its first
 token), both time-weighted: the batch is the number of requests streaming, averaged over the
@@ -92,6 +98,27 @@ def step_bytes(weight_bytes: float, kv_bytes_per_token: float, batch: float,
     return weight_bytes + batch * context_tokens * kv_bytes_per_token
 
 
+def experts_touched(num_experts: int, per_token: int, batch: float) -> float:
+    """Distinct experts a layer's step reads, on average, when ``batch`` tokens each pick
+    ``per_token`` of ``num_experts`` uniformly at random."""
+    if num_experts <= 0:
+        return 0.0
+    share = min(1.0, per_token / num_experts)
+    return float(num_experts * (1.0 - (1.0 - share) ** max(batch, 0.0)))
+
+
+def streamed_weight_bytes(facts: Mapping[str, Any], batch: float) -> float | None:
+    """Weight bytes a step reads: all of them, but for a mixture of experts only the share
+    of the routed experts' bytes the batch touches."""
+    weights = _positive(facts.get("weight_bytes"))
+    experts = _positive(facts.get("expert_weight_bytes"))
+    count, per_token = facts.get("num_experts"), facts.get("experts_per_token")
+    if weights is None or experts is None or not isinstance(count, int) or not isinstance(per_token, int):
+        return weights
+    touched = experts_touched(count, per_token, batch)
+    return weights - experts + experts * touched / count
+
+
 def _positive(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -119,6 +146,7 @@ def roofline(samples: Sequence[Sample], facts: Mapping[str, Any] | None,
     seen = occupancy(samples)
     if seen is None:
         return None
+    weights = streamed_weight_bytes(facts, seen.batch) or weights
     total = step_bytes(weights, kv, seen.batch, seen.context_tokens)
     floor_ms = total / measured * 1000
     itl_ms = _positive(decode_median_itl_ms)

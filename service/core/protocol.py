@@ -122,6 +122,11 @@ class RooflineFacts(BaseModel):
     tensor_parallel_size: Annotated[int, Field(ge=1, le=1024)]
     bandwidth: Bandwidth
     device: Words
+    # A mixture of experts: the routed experts' share of ``weight_bytes``, of which a step
+    # reads only the experts its tokens go to (``service.analysis.roofline``).
+    expert_weight_bytes: Bytes | None = None
+    num_experts: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
+    experts_per_token: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
 
 
 class KVCacheGroup(BaseModel):
