@@ -50,7 +50,7 @@ lint: setup-dev
 	$(VENV)/bin/mypy
 
 test: setup-dev browser compose-tool lint
-	$(PY) -m pytest -x -q
+	$(PY) -m pytest -x -q --durations=25
 
 # token_stub.py (the stub server) and harness.py (process helpers) are not benchmarks.
 BENCHES := $(filter-out benchmarks/token_stub.py benchmarks/harness.py,$(wildcard benchmarks/*.py))
