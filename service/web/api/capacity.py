@@ -58,13 +58,19 @@ def list_capacity(
     return CapacityList(searches=found, total=total, limit=limit, offset=offset)
 
 
+PrefillRate = Annotated[float | None, Query(gt=0, le=1e12, description=(
+    "A prefill server's prefill tokens/s: decode servers per prefill server at each boundary "
+    "(default: the search's own, if it was given one)"))]
+
+
 @router.get("/api/capacity/{search_id}", response_model=CapacityPublic, dependencies=READ)
-def get_capacity(search_id: str, engine: DB) -> CapacityPublic:
+def get_capacity(search_id: str, engine: DB, prefill_tokens_per_s: PrefillRate = None) -> CapacityPublic:
     """A capacity search: its status and, per input length, the boundary so far (last
     passing and first failing concurrency), the range that holds it at the stated
     confidence, every probe with its figure, interval and verdict, the decode rates at the
-    boundary, the runs spent and the wall time."""
-    return capacity_view.capacity_public(engine, search_id)
+    boundary, the runs spent and the wall time; with a prefill rate, decode servers per
+    prefill server."""
+    return capacity_view.capacity_public(engine, search_id, prefill_tokens_per_s)
 
 
 @router.post("/api/capacity/{search_id}/cancel", response_model=CapacityPublic, dependencies=ADMIN)
