@@ -128,3 +128,36 @@ def capacity_public(engine: Engine, search_id: str,
         sla=search.sla, max_concurrency=search.max_concurrency, max_runs=search.max_runs,
         plan=search.plan, runs=len(runs), wall_s=wall_s(runs, utcnow()), error=search.error,
         contexts=[context_public(search, c, prefill) for c in contexts])
+
+
+# The export's columns: one row per probe, with its input length's answer beside it.
+TABLE_COLUMNS = (
+    "input_len", "concurrency", "verdict", "decided_by", "trials", "sla_metric", "sla_max_ms",
+    "figure_ms", "figure_ms_lo", "figure_ms_hi", "confidence",
+    "tokens_per_s_per_user", "tokens_per_s_per_user_lo", "tokens_per_s_per_user_hi",
+    "tokens_per_s_per_server", "tokens_per_s_per_server_lo", "tokens_per_s_per_server_hi",
+    "capped", "refused", "run_ids",
+    "context_max_concurrency", "context_first_failing", "context_decided", "context_confidence",
+)
+
+
+def _ends(figure: Figure | None) -> tuple[float | None, float | None, float | None]:
+    if figure is None:
+        return None, None, None
+    return figure.value, figure.ci[0], figure.ci[1]
+
+
+def capacity_table(search: CapacityPublic) -> tuple[list[str], list[dict[str, Any]]]:
+    """A search as one table, a row per probe (the CSV and JSON exports)."""
+    rows = []
+    for c in search.contexts:
+        for p in c.probes:
+            user, user_lo, user_hi = _ends(p.tokens_per_s_per_user)
+            server, server_lo, server_hi = _ends(p.tokens_per_s_per_server)
+            rows.append(dict(zip(TABLE_COLUMNS, (
+                c.input_len, p.concurrency, p.verdict, p.decided_by, p.trials, search.sla["metric"],
+                search.sla["max_ms"], p.figure_ms, *(p.ci_ms or (None, None)), p.confidence,
+                user, user_lo, user_hi, server, server_lo, server_hi, p.capped, p.refused,
+                " ".join(p.run_ids), c.max_concurrency, c.first_failing, c.decided, c.confidence),
+                strict=True)))
+    return list(TABLE_COLUMNS), rows

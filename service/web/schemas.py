@@ -268,6 +268,8 @@ class CapacityProbe(BaseModel):
     concurrency: int
     trials: int
     run_ids: list[str]
+    # The group its trials share (``/groups/{id}`` shows them side by side).
+    group_id: str | None = None
     figure_ms: float | None
     ci_ms: list[float] | None
     confidence: float | None
