@@ -171,6 +171,12 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             # Two trials of every point, fill and real prefill side by side.
             sweep = c.post("/api/sweeps", json={"base": SMALL, "repeats": 2, "grid": {
                 "input_len": [2048, 8192], "max_concurrency": [1, 2], "mode": ["fill", "prefill"]}}).json()
+            # A capacity search at two input lengths, bounded by its max_concurrency (the stub
+            # stays far under the limit), sized against a prefill rate.
+            search = c.post("/api/capacity", json={
+                "base": {"output_len": 8}, "input_lens": [64, 2048], "max_concurrency": 4,
+                "sla": {"metric": "decode_median_itl_ms", "max_ms": 1000},
+                "prefill_tokens_per_s": 10_000}).json()["id"]
             ids = [run] + [r["id"] for r in sweep["runs"]]
             groups = list(dict.fromkeys(r["group_id"] for r in sweep["runs"]))
             deadline = 120
@@ -179,19 +185,24 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                     if c.get(f"/api/runs/{run_id}").json()["status"] == "succeeded":
                         break
                     subprocess.run(["sleep", "0.1"], check=True)
+            for _ in range(deadline * 10):
+                if c.get(f"/api/capacity/{search}").json()["status"] in ("succeeded", "failed"):
+                    break
+                subprocess.run(["sleep", "0.1"], check=True)
         _add_failed_run(service.data_dir / "decodebench.sqlite3", run, FAILED_RUN)
         yield {"failed": f"{service.url}/runs/{FAILED_RUN}",
                "index": f"{service.url}/", "run": f"{service.url}/runs/{run}",
                "sweep": f"{service.url}/sweeps/{sweep['id']}",
                "compare": f"{service.url}/compare?ids={ids[1]},{ids[2]}",
                "compare_points": f"{service.url}/compare?ids={groups[0]}&ids={groups[1]}",
-               "group": f"{service.url}/groups/{groups[0]}"}
+               "group": f"{service.url}/groups/{groups[0]}",
+               "capacity": f"{service.url}/capacity/{search}"}
     finally:
         service.stop()
 
 
 @pytest.mark.parametrize(("page", "charts"), [("index", 0), ("run", 4), ("sweep", 4), ("compare", 3),
-                                              ("compare_points", 3), ("group", 1)])
+                                              ("compare_points", 3), ("group", 1), ("capacity", 4)])
 def test_page_renders_in_chromium_with_charts_and_no_console_output(
     pages: dict[str, str], tmp_path: Path, page: str, charts: int
 ) -> None:
@@ -283,7 +294,7 @@ def test_failed_run_shows_its_cause_on_one_line_with_the_log_folded(
     assert height < 24  # one line, cut with an ellipsis
 
 
-@pytest.mark.parametrize("page", ["index", "run", "failed", "sweep", "compare_points"])
+@pytest.mark.parametrize("page", ["index", "run", "failed", "sweep", "compare_points", "capacity"])
 def test_page_fits_a_1280_px_window_without_scrolling_sideways(
     pages: dict[str, str], browser: Browser, page: str,
 ) -> None:

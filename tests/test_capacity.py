@@ -44,7 +44,8 @@ def probes_of(context: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 def test_the_search_finds_the_stub_boundary_exactly_and_counts_its_runs(stub_service: Any) -> None:
     client = stub_service(SLOPED)
-    body = {"base": BASE, "input_lens": [64], "sla": SLA, "max_concurrency": 16}
+    body = {"base": BASE, "input_lens": [64], "sla": SLA, "max_concurrency": 16,
+            "prefill_tokens_per_s": 6400}
     response = client.post("/api/capacity", json=body)
     assert response.status_code == 201, response.text
     search = response.json()
@@ -79,6 +80,28 @@ def test_the_search_finds_the_stub_boundary_exactly_and_counts_its_runs(stub_ser
     assert 1000 / 65 < per_user["value"] < 1000 / 55
     assert context["tokens_per_s_per_server"]["value"] == pytest.approx(5 * per_user["value"])
     assert context["wall_s"] > 0 and done["finished_at"] is not None
+    # Each probe's rates, the frontier's points: per server rises with concurrency while
+    # per user falls, and the boundary's are the context's.
+    passed = [probes[c] for c in (1, 2, 4, 5)]
+    users = [p["tokens_per_s_per_user"]["value"] for p in passed]
+    servers = [p["tokens_per_s_per_server"]["value"] for p in passed]
+    assert users == sorted(users, reverse=True) and servers == sorted(servers)
+    assert probes[5]["tokens_per_s_per_user"] == per_user
+    # Decode servers per prefill server: P = 6400 / 64 = 100 req/s; D = 5 / (8 x TPOT).
+    ratio = context["decode_servers_per_prefill_server"]
+    assert ratio["prefill_requests_per_s"] == pytest.approx(100)
+    assert (ratio["max_concurrency"], ratio["output_len"], ratio["input_len"]) == (5, 8, 64)
+    assert ratio["tpot_ms"]["value"] == pytest.approx(1000 / per_user["value"])
+    d = ratio["decode_requests_per_s"]
+    assert d["value"] == pytest.approx(5 / (8 * ratio["tpot_ms"]["value"] / 1000))
+    assert ratio["ratio"]["value"] == pytest.approx(100 / d["value"])
+    assert ratio["ratio"]["ci"][0] <= ratio["ratio"]["value"] <= ratio["ratio"]["ci"][1]
+    assert "P = 6400 tok/s / 64 = 100 req/s" in ratio["formula"]
+    # A prefill rate asked on the GET answers for it instead; and without any, no ratio.
+    other = client.get(f"/api/capacity/{search['id']}", params={"prefill_tokens_per_s": 3200}).json()
+    assert other["contexts"][0]["decode_servers_per_prefill_server"]["ratio"]["value"] == \
+        pytest.approx(ratio["ratio"]["value"] / 2)
+    assert client.get(f"/api/capacity/{search['id']}", params={"prefill_tokens_per_s": 0}).status_code == 422
     listed = client.get("/api/capacity").json()
     assert listed["total"] == 1 and listed["searches"][0]["status"] == "succeeded"
     assert sum(listed["searches"][0]["runs"].values()) == context["runs"]

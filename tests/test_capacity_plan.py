@@ -21,6 +21,7 @@ from service.analysis.capacity import (
     max_probes,
     next_step,
     plan_for,
+    servers_ratio,
 )
 from service.analysis.intervals import Interval
 
@@ -248,3 +249,19 @@ def test_a_steep_figure_is_decided_exactly_by_intervals() -> None:
     runs = [simulated(seed, truth, 1.0, 64) for seed in range(500)]
     assert all(s.last_pass == 11 and s.surely[0] <= 11 <= s.surely[1] for s, _, _ in runs)
     assert np.mean([s.surely == (11, 11) and not s.by_point_estimate for s, _, _ in runs]) >= 0.9
+
+
+def test_decode_servers_per_prefill_server_is_p_over_d_with_the_rates_interval() -> None:
+    # 10,000 prefill tokens/s at 1000 tokens: P = 10 req/s. 5 streams of 100 tokens, each
+    # 20 tokens/s [16, 25] (TPOT 50 ms [40, 62.5]): D = 5 x 20 / 100 = 1 req/s [0.8, 1.25].
+    found = servers_ratio(10_000, 1000, 100, 5, Interval(20.0, 16.0, 25.0))
+    assert found is not None
+    assert found.prefill_requests_per_s == pytest.approx(10)
+    assert (found.tpot_s.value, found.tpot_s.lo, found.tpot_s.hi) == pytest.approx((0.05, 0.04, 0.0625))
+    d = found.decode_requests_per_s
+    assert (d.value, d.lo, d.hi) == pytest.approx((1.0, 0.8, 1.25))
+    # A slower decode server needs more of them: the ratio's interval turns D's over.
+    assert (found.ratio.value, found.ratio.lo, found.ratio.hi) == pytest.approx((10, 8, 12.5))
+    # No boundary (nothing passed) or no rate: no ratio.
+    assert servers_ratio(10_000, 1000, 100, 0, Interval(20.0, 16.0, 25.0)) is None
+    assert servers_ratio(10_000, 1000, 100, 5, Interval(20.0, 0.0, 25.0)) is None

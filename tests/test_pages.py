@@ -367,3 +367,60 @@ def test_compare_headers_label_the_setup_and_every_change_says_better_or_worse(c
     # No ids: a page that says what to give, never raw JSON.
     empty = client.get("/compare")
     assert empty.headers["content-type"].startswith("text/html") and 'id="choose"' in empty.text
+
+
+# The stub's inter-token time: 10 ms + 10 ms per running stream; a limit of 35 ms on the
+# median puts the boundary at 2 (30 ms), with 3 (40 ms) the first failing.
+SLOPED = {"STUB_TOKEN_INTERVAL_S": "0.010", "STUB_ITL_SLOPE_S": "0.010"}
+
+
+def test_capacity_page_draws_the_sla_curve_and_the_frontier_and_exports_its_probes(stub_service: Any) -> None:
+    client = stub_service(SLOPED)
+    html = client.get("/").text
+    assert 'id="capacity-form"' in html and 'name="sla.max_ms"' in html and "decode_p99_itl_ms" in html
+    body = {"base": {"output_len": 8}, "input_lens": [8], "max_concurrency": 4,
+            "sla": {"metric": "decode_median_itl_ms", "max_ms": 35}}
+    search_id = client.post("/api/capacity", json=body).json()["id"]
+    deadline = datetime.now(UTC) + timedelta(seconds=240)
+    while client.get(f"/api/capacity/{search_id}").json()["status"] not in ("succeeded", "failed"):
+        assert datetime.now(UTC) < deadline, "the search did not end"
+    search = client.get(f"/api/capacity/{search_id}").json()
+    (context,) = search["contexts"]
+    assert (context["max_concurrency"], context["first_failing"]) == (2, 3)
+    assert f'href="/capacity/{search_id}"' in client.get("/").text
+
+    html = client.get(f"/capacity/{search_id}", params={"prefill_tokens_per_s": 800}).text
+    text = _text(html)
+    assert context["statement"] in html_unescape(html)
+    sla_svg, frontier_svg = _svgs(_between(html, 'id="context-8"', "</section>"))
+    # The SLA curve: a dot per judged probe with its interval, and the limit as a dashed line.
+    assert sla_svg.count("<title>concurrency ") == 4 and sla_svg.count('class="errorbar"') == 4
+    assert "limit 35 ms" in sla_svg and "stroke-dasharray" in sla_svg
+    # The frontier: per server against per user, error bars both ways, passes apart from fails.
+    assert frontier_svg.count("<title>concurrency ") == 4
+    assert frontier_svg.count('class="errorbar"') == frontier_svg.count('class="xerrorbar"') == 4
+    assert "within the SLA" in frontier_svg and "over the SLA or undecided" in frontier_svg
+    # Each probe's runs are linked, from its dots and from its row.
+    for probe in context["probes"]:
+        for run_id in probe["run_ids"]:
+            assert f'href="/runs/{run_id}"' in html
+        if len(probe["run_ids"]) > 1:
+            assert f'href="/groups/{probe["group_id"]}"' in sla_svg
+    # Decode servers per prefill server, with its formula's inputs.
+    ratio = client.get(f"/api/capacity/{search_id}", params={"prefill_tokens_per_s": 800}).json()[
+        "contexts"][0]["decode_servers_per_prefill_server"]
+    assert f"Decode servers per prefill server: {ratio['ratio']['value']:.3g}" in text
+    assert "P = 800 prefill tok/s / 8 tokens = 100 requests/s" in text
+
+    exported = client.get(f"/api/capacity/{search_id}/export", params={"format": "csv"})
+    assert exported.status_code == 200 and exported.headers["content-type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(exported.text)))
+    assert [(int(r["input_len"]), int(r["concurrency"]), r["verdict"]) for r in rows] == [
+        (8, 1, "pass"), (8, 2, "pass"), (8, 3, "fail"), (8, 4, "fail")]
+    two = next(r for r in rows if r["concurrency"] == "2")
+    assert float(two["figure_ms_lo"]) <= float(two["figure_ms"]) <= float(two["figure_ms_hi"]) <= 35
+    assert two["context_max_concurrency"] == "2" and two["run_ids"].split() == context["probes"][1]["run_ids"]
+    as_json = client.get(f"/api/capacity/{search_id}/export", params={"format": "json"}).json()
+    assert as_json["rows"] == [{k: (None if v == "" else v) for k, v in r.items()} for r in
+                               json.loads(json.dumps(as_json["rows"]))]
+    assert as_json["search"]["contexts"][0]["max_concurrency"] == 2 and len(as_json["rows"]) == 4

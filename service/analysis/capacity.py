@@ -468,6 +468,7 @@ def _probe_view(p: ProbeRuns, state: Probe, judgement: Judgement | None,
         "concurrency": p.concurrency,
         "trials": len(p.succeeded()),
         "run_ids": [r.id for r in p.runs],
+        "group_id": p.runs[0].group_id if p.runs else None,
         "figure_ms": None if figure is None else figure.value,
         "ci_ms": None if figure is None else [figure.lo, figure.hi],
         "confidence": None if figure is None else figure.confidence,
@@ -475,6 +476,7 @@ def _probe_view(p: ProbeRuns, state: Probe, judgement: Judgement | None,
         "decided_by": judgement.by if judgement is not None and state.pending == 0 else None,
         "capped": state.capped,
         "refused": state.refused,
+        "per_user": None if look is None else look.get("per_user"),
     }
 
 
@@ -514,6 +516,45 @@ def assess(input_lens: Sequence[int], max_ms: float, ceiling: Bound, runs: Seque
             context.per_user = _interval(look.get("per_user"), CONFIDENCE)
         out.append(context)
     return out
+
+
+@dataclass(frozen=True)
+class ServersRatio:
+    """Decode servers per prefill server at one input length, with its inputs:
+
+    - a prefill server admits P = prefill tokens/s / input_len requests/s;
+    - a decode server finishes D = C_max / (output_len x TPOT at C_max) requests/s;
+    - so P / D decode servers keep up with one prefill server.
+    """
+
+    prefill_tokens_per_s: float
+    input_len: int
+    output_len: int
+    max_concurrency: int
+    # The median full-batch TPOT at C_max (s), and D and P / D, with 95% intervals.
+    tpot_s: Interval
+    decode_requests_per_s: Interval
+    ratio: Interval
+
+    @property
+    def prefill_requests_per_s(self) -> float:
+        """P, exact: the prefill rate is given, not measured."""
+        return self.prefill_tokens_per_s / self.input_len
+
+
+def servers_ratio(prefill_tokens_per_s: float, input_len: int, output_len: int, max_concurrency: int,
+                  per_user: Interval) -> ServersRatio | None:
+    """P / D from the prefill rate given and the boundary's per-stream decode rate (1 / its
+    median TPOT); None without a boundary (no probe passed) or a positive rate."""
+    if max_concurrency < 1 or per_user.lo <= 0:
+        return None
+    p = prefill_tokens_per_s / input_len
+    # D = C / (output_len x TPOT) = C x (1 / TPOT) / output_len: it moves with the rate, so
+    # the rate's interval carries over, end to end (and turns over for 1 / D).
+    d = per_user.scaled(max_concurrency / output_len)
+    tpot = Interval(1.0 / per_user.value, 1.0 / per_user.hi, 1.0 / per_user.lo, per_user.confidence)
+    ratio = Interval(p / d.value, p / d.hi, p / d.lo, per_user.confidence)
+    return ServersRatio(prefill_tokens_per_s, input_len, output_len, max_concurrency, tpot, d, ratio)
 
 
 def ceiling_bound(max_concurrency: int | None, ceiling: int) -> Bound:

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from service.cli import render, vllm_flags
 from service.cli.client import ApiError, Client
-from service.cli.follow import follow_runs, follow_sweep
+from service.cli.follow import follow_capacity, follow_runs, follow_sweep
 
 
 def _console(stderr: bool = False) -> Console:
@@ -372,6 +372,96 @@ def _point_text(point: Any) -> str:
     return str(point)
 
 
+# --- capacity searches -----------------------------------------------------------------------
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.option("--model", default="decodebench-tiny", show_default=True,
+              help="Model to serve, as `bench serve --model` takes it.")
+@click.option("--input-len", "--random-input-len", "input_len", required=True,
+              help="Comma-separated input lengths, e.g. 8192,32768: one boundary each.")
+@click.option("--output-len", "--random-output-len", "output_len", type=click.IntRange(1), default=None,
+              help="Output tokens per request (default: the service's, 128).")
+@click.option("--sla-metric", type=click.Choice(vllm_flags.SLA_METRICS), required=True,
+              help="The steady-window decode figure the limit is put on.")
+@click.option("--sla-max-ms", type=click.FloatRange(0, min_open=True), required=True,
+              help="The limit: the figure at most this many ms.")
+@click.option("--max-concurrency", type=click.IntRange(1), default=None,
+              help="The highest concurrency to probe (default: the service's, 1024).")
+@click.option("--max-runs", type=click.IntRange(1), default=None,
+              help="Runs the search may spend in all (default: 32 per input length).")
+@click.option("--prefill-tokens-per-s", type=click.FloatRange(0, min_open=True), default=None,
+              help="A prefill server's prefill tokens/s: size decode servers per prefill server.")
+@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--fill-mean", type=float, default=None)
+@click.option("--fill-std", type=float, default=None)
+@click.option("--fill-at-start", is_flag=True,
+              help="Fill the whole KV cache once when the server starts (no fill in the steps).")
+@click.option("--tensor-parallel-size", type=click.IntRange(1), default=None)
+@click.option("--max-model-len", type=click.IntRange(16), default=None)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None)
+@click.option("--gpu-memory-utilization", type=float, default=None)
+@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
+@click.option("--num-layers", type=click.IntRange(1), default=None,
+              help="Build a bundled shape with this many layers (every kind it has kept).")
+@click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it).")
+@click.option("--no-wait", is_flag=True, help="Submit and print the search's id, without following it.")
+@click.option("--json", "as_json", is_flag=True, help="At the end, the API's answer as JSON.")
+@click.pass_context
+def capacity(ctx: click.Context, /, **values: Any) -> None:
+    """Find, per input length, the largest concurrency one decode server holds under a latency
+    limit (POST /api/capacity), with a line per probe as it is decided and a table at the end.
+
+    Ctrl-C cancels the search on the service. Exit status 1 when it did not succeed."""
+    try:
+        body = vllm_flags.capacity_body(values)
+    except ValueError as error:
+        fail(str(error), 2)
+    client = client_of(ctx)
+    created = client.post("/api/capacity", body)
+    search_id = created["id"]
+    err.print(f"capacity search {search_id} on {client.url} (page {client.url}/capacity/{search_id})",
+              highlight=False, soft_wrap=True)
+    if values["no_wait"]:
+        console.print(search_id)
+        return
+
+    def cancel() -> None:
+        try:
+            client.post_anew(f"/api/capacity/{search_id}/cancel")
+            err.print(f"cancelled capacity search {search_id} on the service", highlight=False)
+        except ApiError as error:
+            err.print(f"could not cancel capacity search {search_id}: {error}", highlight=False)
+
+    try:
+        ended = follow_capacity(client, search_id, err, cancel=cancel)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    if values["as_json"]:
+        console.print_json(data=ended)
+    else:
+        _print_capacity(ended)
+    if ended["status"] != "succeeded":
+        sys.exit(1)
+
+
+def _print_capacity(search: dict[str, Any]) -> None:
+    """The table per input length, then each one's answer in a sentence."""
+    console.print(render.capacity_table(search))
+    ratios = render.ratio_table(search)
+    if ratios is not None:
+        console.print(ratios)
+    for context in search["contexts"]:
+        console.print(f"input_len {context['input_len']}: {context['statement']}", highlight=False,
+                      markup=False, soft_wrap=True)
+        if context.get("error"):
+            console.print(f"input_len {context['input_len']}: {context['error']}", highlight=False,
+                          markup=False, soft_wrap=True)
+    if search.get("error"):
+        console.print(f"search: {search['error']}", highlight=False, markup=False, soft_wrap=True)
+
+
 # --- reading and managing what the service holds ----------------------------------------
 
 
@@ -436,8 +526,8 @@ def compare(ctx: click.Context, ids: Sequence[str], as_json: bool) -> None:
 @click.argument("item_id")
 @click.pass_context
 def cancel(ctx: click.Context, item_id: str) -> None:
-    """Cancel a run (r-...), a group of trials (g-...) or a sweep (s-...)."""
-    kind = {"g": "groups", "s": "sweeps"}.get(item_id.split("-", 1)[0], "runs")
+    """Cancel a run (r-...), a group of trials (g-...), a sweep (s-...) or a capacity search (c-...)."""
+    kind = {"g": "groups", "s": "sweeps", "c": "capacity"}.get(item_id.split("-", 1)[0], "runs")
     answer = client_of(ctx).post(f"/api/{kind}/{item_id}/cancel")
     status = answer.get("status") if isinstance(answer, dict) else None
     console.print(f"cancelled {item_id}" + (f" ({status})" if status else ""), highlight=False)

@@ -118,3 +118,54 @@ def _spec_value(spec: Mapping[str, Any], key: str) -> Any:
     for part in key.split("."):
         value = value.get(part) if isinstance(value, Mapping) else None
     return value
+
+
+# A probe's verdicts that end it (for now: a boundary probe may get another trial later).
+PROBE_ENDS = ("pass", "fail", "capped", "refused", "failed")
+# A search's statuses once it has ended.
+SEARCH_ENDS = ("succeeded", "failed", "cancelled")
+
+
+def probe_line(input_len: int, probe: Mapping[str, Any], sla: Mapping[str, Any]) -> str:
+    """A probe as decided: its verdict with the SLA figure, interval and trials, or what
+    capped or refused it."""
+    head = f"input_len={input_len} concurrency={probe['concurrency']}: {probe['verdict']}"
+    if probe.get("capped"):
+        return f"{head} ({probe['capped']})"
+    if probe.get("refused"):
+        return f"{head} ({probe['refused']})"
+    if probe.get("figure_ms") is None:
+        return head
+    lo, hi = probe["ci_ms"]
+    by = f", by the {probe['decided_by']}" if probe.get("decided_by") else ""
+    return (f"{head}, {sla['metric']} {probe['figure_ms']:.2f} ms [{lo:.2f}, {hi:.2f}] against "
+            f"{sla['max_ms']:g} ms over {probe['trials']} trial{'s' * (probe['trials'] != 1)}{by}")
+
+
+def follow_capacity(client: Client, search_id: str, console: Console,
+                    cancel: Callable[[], None] | None = None) -> dict[str, Any]:
+    """A line per probe each time one is decided (and per input length once its boundary
+    is), until the search has ended; the search as it ended. Ctrl-C calls ``cancel``."""
+    said: set[tuple[Any, ...]] = set()
+    try:
+        while True:
+            search = client.get(f"/api/capacity/{search_id}")
+            for context in search["contexts"]:
+                for probe in context["probes"]:
+                    key = (context["input_len"], probe["concurrency"], probe["verdict"], probe["trials"])
+                    if probe["verdict"] in PROBE_ENDS and key not in said:
+                        said.add(key)
+                        # One line each however wide the terminal: scripts grep them.
+                        console.print(probe_line(context["input_len"], probe, search["sla"]),
+                                      highlight=False, markup=False, soft_wrap=True)
+                if context["state"] != "probing" and (context["input_len"], "end") not in said:
+                    said.add((context["input_len"], "end"))
+                    console.print(f"input_len={context['input_len']}: {context['state']} after "
+                                  f"{context['runs']} runs", highlight=False, markup=False, soft_wrap=True)
+            if search["status"] in SEARCH_ENDS:
+                return dict(search)
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        if cancel is not None:
+            cancel()
+        raise

@@ -138,3 +138,46 @@ def compare_table(result: Mapping[str, Any]) -> Table:
             verdicts.append(verdict)
         table.add_row(*cells, ", ".join(verdicts))
     return table
+
+
+def _figure(figure: Any, digits: int = 1) -> str:
+    """A figure as ``value [lo, hi]``, or ``-``."""
+    if not isinstance(figure, Mapping):
+        return "-"
+    lo, hi = figure["ci"]
+    return f"{figure['value']:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def capacity_table(search: Mapping[str, Any]) -> Table:
+    """``GET /api/capacity/{id}`` as a table, a row per input length: the boundary with the
+    range that holds it, the first failing concurrency, the decode rates there, the cost."""
+    sla = search["sla"]
+    table = Table("input_len", "max concurrency", "range", "first failing", "limited by",
+                  "confidence", "tok/s per user", "tok/s per server", "runs", "wall s",
+                  title=(f"capacity search {search['id']} ({search['status']}): largest concurrency with "
+                         f"{sla['metric']} <= {sla['max_ms']:g} ms; decode output tokens/s, 95% intervals"))
+    for c in search["contexts"]:
+        low, high = c["boundary_range"]
+        table.add_row(str(c["input_len"]), str(c["max_concurrency"]) + ("" if c["decided"] else " ?"),
+                      f"[{low}, {high}]", str(c["first_failing"] or "-"), c["limited_by"],
+                      f"{c['confidence']:.0%}", _figure(c.get("tokens_per_s_per_user")),
+                      _figure(c.get("tokens_per_s_per_server")), str(c["runs"]),
+                      "-" if c["wall_s"] is None else f"{c['wall_s']:.0f}")
+    return table
+
+
+def ratio_table(search: Mapping[str, Any]) -> Table | None:
+    """Decode servers per prefill server per input length (P / D with its inputs), or None
+    when the answer has none (no prefill rate given, or no boundary yet)."""
+    rows = [(c["input_len"], c["decode_servers_per_prefill_server"]) for c in search["contexts"]
+            if c.get("decode_servers_per_prefill_server")]
+    if not rows:
+        return None
+    table = Table("input_len", "prefill tok/s", "P req/s", "output_len", "C max", "TPOT ms at C max",
+                  "D req/s", "decode servers per prefill server (P / D)",
+                  title="P = prefill tok/s / input_len; D = C max / (output_len x TPOT); 95% intervals")
+    for input_len, r in rows:
+        table.add_row(str(input_len), f"{r['prefill_tokens_per_s']:g}", f"{r['prefill_requests_per_s']:.3g}",
+                      str(r["output_len"]), str(r["max_concurrency"]), _figure(r["tpot_ms"], 2),
+                      _figure(r["decode_requests_per_s"], 3), _figure(r["ratio"], 2))
+    return table

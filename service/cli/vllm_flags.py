@@ -177,6 +177,45 @@ def run_spec(v: Mapping[str, Any]) -> dict[str, Any]:
     return spec
 
 
+# The steady-window decode figures a capacity search may put its limit on
+# (``service.core.capacity.SLA_METRICS``; tests/test_cli.py holds the two lists together).
+SLA_METRICS = ("decode_median_itl_ms", "decode_p99_itl_ms", "decode_median_tpot_ms",
+               "decode_p99_tpot_ms")
+
+
+def capacity_body(v: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``POST /api/capacity`` body of ``decodebench capacity``'s values; a ValueError for
+    input lengths that are no list of numbers. Fields left unset keep the service's defaults."""
+    try:
+        lens = [int(w) for w in str(v["input_len"]).split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--input-len {v['input_len']!r}: give comma-separated numbers, "
+                         "e.g. 8192,32768") from None
+    base: dict[str, Any] = {"model": v["model"]}
+    for key, field in (("output_len", "output_len"), ("random_range_ratio", "range_ratio"),
+                       ("seed", "seed")):
+        if v.get(key) is not None:
+            base[field] = v[key]
+    fill = {k: v[f"fill_{k}"] for k in ("mean", "std") if v.get(f"fill_{k}") is not None}
+    if v.get("fill_at_start"):
+        fill["startup"] = True
+    if fill:
+        base["fill"] = fill
+    engine = {key: v[key] for key in ("tensor_parallel_size", "max_model_len", "dtype",
+                                      "gpu_memory_utilization", "load_format", "num_layers")
+              if v.get(key) is not None}
+    if v.get("engine_arg"):
+        engine["extra_args"] = list(v["engine_arg"])
+    if engine:
+        base["engine"] = engine
+    body: dict[str, Any] = {"base": base, "input_lens": lens,
+                            "sla": {"metric": v["sla_metric"], "max_ms": v["sla_max_ms"]}}
+    for key in ("max_concurrency", "max_runs", "prefill_tokens_per_s"):
+        if v.get(key) is not None:
+            body[key] = v[key]
+    return body
+
+
 def result_filename(v: Mapping[str, Any], model: str, date: str) -> str:
     """The result file's name as ``vllm bench serve`` makes it (``--result-filename`` wins)."""
     if v.get("result_filename"):

@@ -60,6 +60,8 @@ class CapacityCreate(Strict):
     max_concurrency: Int | None = Field(default=None, ge=1, le=MAX_CEILING)
     # Runs the search may spend in all; DEFAULT_RUNS_PER_CONTEXT per input length when not given.
     max_runs: Int | None = Field(default=None, ge=1, le=MAX_CAPACITY_RUNS)
+    # A prefill server's prefill tokens/s, to size decode servers per prefill server against.
+    prefill_tokens_per_s: float | None = Field(default=None, gt=0, le=1e12, allow_inf_nan=False)
 
     @field_validator("base")
     @classmethod

@@ -43,9 +43,13 @@ def create_search(engine: Engine, body: CapacityCreate, plan: Mapping[str, Any])
     all or nothing."""
     # The fields each probe sets are not kept with the base: they would read as the search's.
     base = body.base.model_dump(exclude=set(PROBE_FIELDS))
+    plan = dict(plan)
+    if body.prefill_tokens_per_s is not None:
+        # Kept with the plan (fixed at the start, in JSON): no column for a sizing input.
+        plan["prefill_tokens_per_s"] = body.prefill_tokens_per_s
     search = CapacitySearch(id=new_id("c"), base=base, input_lens=list(body.input_lens),
                             sla=body.sla.model_dump(), max_concurrency=body.max_concurrency,
-                            max_runs=body.runs_budget(), plan=dict(plan))
+                            max_runs=body.runs_budget(), plan=plan)
     runs = [_probe_run(search, body.base, length, 1, []) for length in body.input_lens]
     queue_in_order(runs)
     with write_session(engine) as session:

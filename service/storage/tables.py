@@ -96,7 +96,8 @@ class CapacitySearch(SQLModel, table=True):
     sla: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
     max_concurrency: int | None = None
     max_runs: int
-    # The plan fixed at its start (``capacity.Plan.as_dict``: ceiling, looks, confidence per look).
+    # The plan fixed at its start (``capacity.Plan.as_dict``: ceiling, looks, confidence per
+    # look), and ``prefill_tokens_per_s`` when the search was asked to size decode servers.
     plan: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
     # Each probe's latest look at its interval, by ``capacity.look_key``; and why input
     # lengths stopped undecided, by input length.

@@ -4,16 +4,23 @@ its probes and the decode rates there (from ``service.analysis.capacity.assess``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import Engine
 
-from service.analysis.capacity import Context, assess, ceiling_bound, wall_s
-from service.analysis.intervals import Interval
+from service.analysis.capacity import Context, ServersRatio, assess, ceiling_bound, servers_ratio, wall_s
+from service.analysis.intervals import CONFIDENCE, Interval
 from service.core.ids import utcnow
 from service.core.status import RunStatus
 from service.storage import capacity
 from service.storage.tables import CapacitySearch, Run
-from service.web.schemas import CapacityContext, CapacityProbe, CapacityPublic, Figure
+from service.web.schemas import (
+    CapacityContext,
+    CapacityProbe,
+    CapacityPublic,
+    Figure,
+    ServersRatioPublic,
+)
 
 
 def status_of(search: CapacitySearch, runs: Sequence[Run]) -> str:
@@ -53,13 +60,42 @@ def _statement(search: CapacitySearch, context: Context, decided: bool) -> str:
     return f"{found}; {sure}"
 
 
-def context_public(search: CapacitySearch, context: Context) -> CapacityContext:
-    """One input length as the API shows it."""
+def _probe_public(probe: dict[str, Any]) -> CapacityProbe:
+    stored = probe.pop("per_user", None)
+    rate = (None if stored is None
+            else Interval(float(stored[0]), float(stored[1]), float(stored[2]), CONFIDENCE))
+    return CapacityProbe(**probe, tokens_per_s_per_user=_figure(rate),
+                         tokens_per_s_per_server=_figure(rate, probe["concurrency"]))
+
+
+def ratio_public(ratio: ServersRatio) -> ServersRatioPublic:
+    """P / D with its inputs, as the API shows it."""
+    formula = (f"P = {ratio.prefill_tokens_per_s:g} tok/s / {ratio.input_len} = "
+               f"{ratio.prefill_requests_per_s:.4g} req/s; D = {ratio.max_concurrency} / "
+               f"({ratio.output_len} x {ratio.tpot_s.value * 1000:.4g} ms) = "
+               f"{ratio.decode_requests_per_s.value:.4g} req/s; P / D = {ratio.ratio.value:.3g} "
+               "decode servers per prefill server")
+    return ServersRatioPublic(
+        formula=formula, prefill_tokens_per_s=ratio.prefill_tokens_per_s, input_len=ratio.input_len,
+        prefill_requests_per_s=ratio.prefill_requests_per_s, output_len=ratio.output_len,
+        max_concurrency=ratio.max_concurrency, tpot_ms=_figure(ratio.tpot_s, 1000.0),
+        decode_requests_per_s=_figure(ratio.decode_requests_per_s), ratio=_figure(ratio.ratio))
+
+
+def context_public(search: CapacitySearch, context: Context,
+                   prefill_tokens_per_s: float | None = None) -> CapacityContext:
+    """One input length as the API shows it; with a prefill rate, decode servers per prefill
+    server at its boundary."""
     step = context.step
     decided = context.decided
     state = "decided" if decided else ("stopped" if context.ended is not None else "probing")
     per_user = context.per_user
     rate = _figure(per_user)
+    ratio = None
+    if prefill_tokens_per_s is not None and per_user is not None:
+        found = servers_ratio(prefill_tokens_per_s, context.input_len, int(search.base["output_len"]),
+                              step.last_pass, per_user)
+        ratio = None if found is None else ratio_public(found)
     return CapacityContext(
         input_len=context.input_len, state=state, decided=decided,
         max_concurrency=step.last_pass, first_failing=step.first_fail,
@@ -69,16 +105,20 @@ def context_public(search: CapacitySearch, context: Context) -> CapacityContext:
         confidence=float(search.plan["confidence"]), boundary_range=list(step.surely),
         decided_by_point_estimate=list(step.by_point_estimate),
         statement=_statement(search, context, decided),
-        probes=[CapacityProbe(**p) for p in context.probes],
+        probes=[_probe_public(dict(p)) for p in context.probes],
         tokens_per_s_per_user=rate,
         tokens_per_s_per_server=_figure(per_user, step.last_pass) if step.last_pass else None,
+        decode_servers_per_prefill_server=ratio,
         runs=context.runs, wall_s=context.wall_s, error=context.ended or step.error)
 
 
-def capacity_public(engine: Engine, search_id: str) -> CapacityPublic:
-    """A search with its status, plan and, per input length, where it stands."""
+def capacity_public(engine: Engine, search_id: str,
+                    prefill_tokens_per_s: float | None = None) -> CapacityPublic:
+    """A search with its status, plan and, per input length, where it stands; decode servers
+    per prefill server at the prefill rate given here, else the search's own, if any."""
     search, runs = capacity.get_search(engine, search_id)
     bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
+    prefill = prefill_tokens_per_s or search.plan.get("prefill_tokens_per_s")
     contexts = assess(search.input_lens, float(search.sla["max_ms"]), bound, runs, search.looks,
                       search.ended, cancelled=search.status == "cancelled",
                       trial_cap=int(search.plan["trial_cap"]))
@@ -87,4 +127,37 @@ def capacity_public(engine: Engine, search_id: str) -> CapacityPublic:
         finished_at=search.finished_at, base=search.base, input_lens=search.input_lens,
         sla=search.sla, max_concurrency=search.max_concurrency, max_runs=search.max_runs,
         plan=search.plan, runs=len(runs), wall_s=wall_s(runs, utcnow()), error=search.error,
-        contexts=[context_public(search, c) for c in contexts])
+        contexts=[context_public(search, c, prefill) for c in contexts])
+
+
+# The export's columns: one row per probe, with its input length's answer beside it.
+TABLE_COLUMNS = (
+    "input_len", "concurrency", "verdict", "decided_by", "trials", "sla_metric", "sla_max_ms",
+    "figure_ms", "figure_ms_lo", "figure_ms_hi", "confidence",
+    "tokens_per_s_per_user", "tokens_per_s_per_user_lo", "tokens_per_s_per_user_hi",
+    "tokens_per_s_per_server", "tokens_per_s_per_server_lo", "tokens_per_s_per_server_hi",
+    "capped", "refused", "run_ids",
+    "context_max_concurrency", "context_first_failing", "context_decided", "context_confidence",
+)
+
+
+def _ends(figure: Figure | None) -> tuple[float | None, float | None, float | None]:
+    if figure is None:
+        return None, None, None
+    return figure.value, figure.ci[0], figure.ci[1]
+
+
+def capacity_table(search: CapacityPublic) -> tuple[list[str], list[dict[str, Any]]]:
+    """A search as one table, a row per probe (the CSV and JSON exports)."""
+    rows = []
+    for c in search.contexts:
+        for p in c.probes:
+            user, user_lo, user_hi = _ends(p.tokens_per_s_per_user)
+            server, server_lo, server_hi = _ends(p.tokens_per_s_per_server)
+            rows.append(dict(zip(TABLE_COLUMNS, (
+                c.input_len, p.concurrency, p.verdict, p.decided_by, p.trials, search.sla["metric"],
+                search.sla["max_ms"], p.figure_ms, *(p.ci_ms or (None, None)), p.confidence,
+                user, user_lo, user_hi, server, server_lo, server_hi, p.capped, p.refused,
+                " ".join(p.run_ids), c.max_concurrency, c.first_failing, c.decided, c.confidence),
+                strict=True)))
+    return list(TABLE_COLUMNS), rows

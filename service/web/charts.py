@@ -41,6 +41,8 @@ class Point:
     hi: float | None = None
     href: str | None = None  # a click on the dot opens this (a same-site path like /runs/r-abc)
     label: str = ""  # hover text; a default naming the series and the values when empty
+    xlo: float | None = None  # 95% interval ends of x, when x is measured too (a frontier)
+    xhi: float | None = None
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -236,8 +238,13 @@ def _points(raw: Iterable[Point | tuple[float, float]], positive_x: bool) -> lis
             lo = hi = None
         else:
             lo, hi = float(min(lo, hi)), float(max(lo, hi))
+        xlo, xhi = _finite(point.xlo), _finite(point.xhi)
+        if xlo is None or xhi is None or (positive_x and min(xlo, xhi) <= 0):
+            xlo = xhi = None
+        else:
+            xlo, xhi = float(min(xlo, xhi)), float(max(xlo, xhi))
         # Floats throughout: an int x (as a type checker allows) would have no is_integer().
-        out.append(replace(point, x=float(point.x), y=float(point.y), lo=lo, hi=hi))
+        out.append(replace(point, x=float(point.x), y=float(point.y), lo=lo, hi=hi, xlo=xlo, xhi=xhi))
     return sorted(out, key=lambda p: p.x)
 
 
@@ -276,12 +283,23 @@ def _errorbar(frame: _Frame, p: Point, color: str) -> str:
                       f'y2="{y:.1f}" {stroke}/>' for y in (lo, hi)))
 
 
+def _xerrorbar(frame: _Frame, p: Point, color: str) -> str:
+    assert p.xlo is not None and p.xhi is not None
+    y, lo, hi = frame.py(p.y), frame.px(p.xlo), frame.px(p.xhi)
+    stroke = f'stroke="{color}" stroke-width="1.5"'
+    return (f'<line class="xerrorbar" x1="{lo:.1f}" x2="{hi:.1f}" y1="{y:.1f}" y2="{y:.1f}" {stroke}/>'
+            + "".join(f'<line class="errorcap" x1="{x:.1f}" x2="{x:.1f}" y1="{y - 3:.1f}" '
+                      f'y2="{y + 3:.1f}" {stroke}/>' for x in (lo, hi)))
+
+
 def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: str, xlabel: str,
           ylabel: str, *, log2_x: bool = False, dashed: Mapping[str, str] | None = None) -> Markup:
     """One line (with dots) per named series, with a legend below the axis. Points with a 95%
     interval get an error bar, and consecutive ones a translucent band; hovering a dot shows
-    its values, and a dot with an ``href`` is a link. ``log2_x`` places x on a log-2 scale
-    with a tick at each measured x, labelled in tokens (2k, 32k); x <= 0 is then dropped.
+    its values, and a dot with an ``href`` is a link. A point with an x interval (``xlo``,
+    ``xhi``) gets a horizontal error bar too, and no band (its x is measured, not set).
+    ``log2_x`` places x on a log-2 scale with a tick at each measured x, labelled in tokens
+    (2k, 32k); x <= 0 is then dropped.
     ``dashed`` names series drawn dashed, each in the colour of the series it maps to (a
     bound beside the measurement it bounds)."""
     dashed = dashed or {}
@@ -297,19 +315,25 @@ def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: st
     ys = [v for p in every for v in (p.y, p.lo, p.hi) if v is not None]
     xs = sorted({p.x for p in every})
     y_range = (min(0.0, min(ys)), max(0.0, max(ys) * 1.1))
+    x_ends = sorted({*xs, *(v for p in every for v in (p.xlo, p.xhi) if v is not None)})
+    if x_ends != xs:
+        # Measured x: the axis from 0 (rates, like y's), wide enough for every bar.
+        xs = [min(0.0, x_ends[0]), x_ends[-1] * 1.05]
     if log2_x:
         frame = _Frame(title, xlabel, ylabel, (xs[0], xs[-1]), y_range, xlog=2,
                        xticks=[(x, _tokens(x)) for x in xs])
     else:
         frame = _Frame(title, xlabel, ylabel, (xs[0], xs[-1]), y_range)
     for color, points in drawn.values():
-        frame.parts.extend(_bands(frame, points, color))
+        if not any(p.xlo is not None for p in points):
+            frame.parts.extend(_bands(frame, points, color))
     for name, (color, points) in drawn.items():
         path = " ".join(f"{frame.px(p.x):.1f},{frame.py(p.y):.1f}" for p in points)
         dash = DASH if name in dashed else ""
         frame.parts.append(f'<polyline points="{path}" class="line" fill="none" stroke="{color}" '
                            f'stroke-width="2"{dash}/>')
         frame.parts.extend(_errorbar(frame, p, color) for p in points if p.lo is not None)
+        frame.parts.extend(_xerrorbar(frame, p, color) for p in points if p.xlo is not None)
     # Dots last, on top of every line and band, so each one can be hovered and clicked.
     for name, (color, points) in drawn.items():
         for p in points:

@@ -268,6 +268,8 @@ class CapacityProbe(BaseModel):
     concurrency: int
     trials: int
     run_ids: list[str]
+    # The group its trials share (``/groups/{id}`` shows them side by side).
+    group_id: str | None = None
     figure_ms: float | None
     ci_ms: list[float] | None
     confidence: float | None
@@ -276,6 +278,28 @@ class CapacityProbe(BaseModel):
     decided_by: str | None
     capped: str | None
     refused: str | None
+    # Decode output tokens/s of one stream (1 / the median full-batch TPOT) and of the
+    # server (times ``concurrency``) at its latest look, 95% intervals: the frontier's points.
+    tokens_per_s_per_user: Figure | None = None
+    tokens_per_s_per_server: Figure | None = None
+
+
+class ServersRatioPublic(BaseModel):
+    """Decode servers per prefill server at one input length, with the formula's inputs:
+    P = prefill_tokens_per_s / input_len requests/s a prefill server admits; D =
+    max_concurrency / (output_len x tpot_ms / 1000) requests/s a decode server finishes at
+    the boundary; ``ratio`` = P / D. The prefill rate is given (exact); the intervals (95%)
+    come from the boundary's TPOT."""
+
+    formula: str
+    prefill_tokens_per_s: float
+    input_len: int
+    prefill_requests_per_s: float
+    output_len: int
+    max_concurrency: int
+    tpot_ms: Figure
+    decode_requests_per_s: Figure
+    ratio: Figure
 
 
 class CapacityContext(BaseModel):
@@ -304,6 +328,8 @@ class CapacityContext(BaseModel):
     # the full-batch window) and the server's (max_concurrency streams), 95% intervals.
     tokens_per_s_per_user: Figure | None
     tokens_per_s_per_server: Figure | None
+    # With a prefill rate (the search's, or the query's): decode servers per prefill server.
+    decode_servers_per_prefill_server: ServersRatioPublic | None = None
     runs: int
     wall_s: float | None
     error: str | None

@@ -4,9 +4,10 @@ stays under a limit, found by probing (``service.analysis.capacity``)."""
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
 
 from service.analysis.capacity import plan_for
 from service.core.capacity import CapacityCreate, probe_spec
@@ -14,6 +15,7 @@ from service.core.errors import Conflict
 from service.core.status import FINISHED
 from service.storage import capacity, logs
 from service.web import capacity_view
+from service.web.api.exports import csv_attachment
 from service.web.api.runs import cancel_one, check_backend, check_fits, check_model
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
@@ -58,13 +60,39 @@ def list_capacity(
     return CapacityList(searches=found, total=total, limit=limit, offset=offset)
 
 
+PrefillRate = Annotated[float | None, Query(gt=0, le=1e12, description=(
+    "A prefill server's prefill tokens/s: decode servers per prefill server at each boundary "
+    "(default: the search's own, if it was given one)"))]
+
+
 @router.get("/api/capacity/{search_id}", response_model=CapacityPublic, dependencies=READ)
-def get_capacity(search_id: str, engine: DB) -> CapacityPublic:
+def get_capacity(search_id: str, engine: DB, prefill_tokens_per_s: PrefillRate = None) -> CapacityPublic:
     """A capacity search: its status and, per input length, the boundary so far (last
     passing and first failing concurrency), the range that holds it at the stated
     confidence, every probe with its figure, interval and verdict, the decode rates at the
-    boundary, the runs spent and the wall time."""
-    return capacity_view.capacity_public(engine, search_id)
+    boundary, the runs spent and the wall time; with a prefill rate, decode servers per
+    prefill server."""
+    return capacity_view.capacity_public(engine, search_id, prefill_tokens_per_s)
+
+
+@router.get(
+    "/api/capacity/{search_id}/export", response_model=None, dependencies=READ,
+    responses={200: {"description": "the search's probes as CSV, or as JSON {search, columns, rows}",
+                     "content": {"text/csv": {}, "application/json": {}}}},
+)
+def export_capacity(search_id: str, engine: DB, format: Literal["csv", "json"] = "csv",
+                    prefill_tokens_per_s: PrefillRate = None) -> Response:
+    """A capacity search as one table, a row per probe (its verdict, SLA figure and decode
+    rates with intervals, runs) beside its input length's answer: CSV, or JSON with the
+    search as ``GET /api/capacity/{id}`` answers it (and P / D at the prefill rate given)."""
+    search = capacity_view.capacity_public(engine, search_id, prefill_tokens_per_s)
+    columns, rows = capacity_view.capacity_table(search)
+    name = f"decodebench-{search_id}"
+    if format == "json":
+        return JSONResponse({"search": search.model_dump(mode="json"), "columns": columns, "rows": rows},
+                            headers={"Content-Disposition": f'inline; filename="{name}.json"'})
+    return csv_attachment(name, columns, ({k: "" if v is None else v for k, v in row.items()}
+                                          for row in rows))
 
 
 @router.post("/api/capacity/{search_id}/cancel", response_model=CapacityPublic, dependencies=ADMIN)

@@ -1,4 +1,4 @@
-"""The runs: the index page (runs, sweeps and servers) and one run's page."""
+"""The runs: the index page (runs, sweeps, capacity searches and servers) and one run's page."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from sqlalchemy import Engine
 
 from service.analysis import comparison, server_metrics
 from service.analysis.metrics import measured
+from service.core.capacity import SLA_METRICS
 from service.core.protocol import connector_totals
 from service.core.shapes import catalogue
 from service.core.spec import EXTRA_ARGS, EngineSpec, effective_load_format, worker_key
 from service.core.status import FINISHED, RunStatus
-from service.storage import measurements, store, sweeps, workers
+from service.storage import capacity, measurements, store, sweeps, workers
 from service.storage.logs import log_tail
 from service.storage.tables import Run
 from service.web import charts
@@ -108,6 +109,8 @@ def index(
             "model": model or "",
             "statuses": [s.value for s in RunStatus],
             "sweeps": sweeps.list_sweeps(engine, 10) if page == 1 else [],
+            "capacity_searches": capacity.search_page(engine, 10, 0)[0] if page == 1 else [],
+            "sla_metrics": SLA_METRICS,
             "workers": workers.active_workers(engine) if page == 1 else [],
             "ended_workers": workers.ended_workers(engine, RECENT_ENDED_WORKERS) if page == 1 else [],
             "cluster": cluster,
