@@ -69,7 +69,7 @@ def test_an_unknown_sweep_field_gets_a_grid_name_or_a_base_name(client: TestClie
 def test_an_unknown_field_close_to_nothing_lists_the_valid_ones(client: TestClient) -> None:
     response = client.post("/api/runs", json={"fill": {"colour": 1}})
     assert response.status_code == 422
-    assert _messages(response) == ["unknown field 'colour'; valid fields: mean, std"]
+    assert _messages(response) == ["unknown field 'colour'; valid fields: mean, std, startup"]
 
 
 # ------------------------------------------------------------------ content type
