@@ -194,6 +194,12 @@ class Scheduler:
 
         self._on_loop(tell)
 
+    def decode_so_far(self, run_id: str) -> tuple[float | None, int] | None:
+        """The decode median ITL (ms) and steady gaps of the requests a run being measured
+        has saved, as its runner keeps them; None when no runner has the run. From any thread."""
+        runner = self._runners.get(run_id)
+        return None if runner is None else runner.decode_so_far.figure()
+
     def handling(self, run_id: str) -> bool:
         """Whether a runner still works on the run (a cancelled run's runner winds down
         after the API moved it to ``cancelled``: it saves the samples it has). From any thread."""

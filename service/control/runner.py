@@ -32,6 +32,7 @@ from service.analysis.checks import (
 )
 from service.analysis.metrics import prefill_stall, run_warnings, summarize, summary_intervals
 from service.analysis.roofline import roofline
+from service.analysis.running_decode import RunningDecode
 from service.analysis.server_metrics import Point as ScrapedPoint
 from service.analysis.server_metrics import Scraper
 from service.analysis.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
@@ -97,6 +98,10 @@ class Runner:
         self.end_written = False
         self.samples: list[Sample] = []
         self._saved = 0
+        # The decode median of the samples saved so far, for progress displays (``GET
+        # /api/runs/{id}/live``): kept as they are saved, never recomputed from all of them.
+        self.decode_so_far = RunningDecode()
+        self._tallied = 0
         # The progress counts (completed, failed) last saved; None: none yet.
         self._saved_counts: tuple[int, int] | None = None
         # The worker's /metrics during the run, ``t`` on the samples' clock (perf_counter).
@@ -139,6 +144,10 @@ class Runner:
             def save() -> None:
                 if new:
                     measurements.save_samples(self.engine, self.run_id, new)
+                    # Each sample once, though a save that fails later comes again with it.
+                    upto = self._saved + len(new)
+                    self.decode_so_far.add(self.samples[self._tallied:upto])
+                    self._tallied = upto
                 if points:
                     measurements.save_server_points(self.engine, self.run_id, points)
                 store.update_fields(self.engine, self.run_id, completed=ok, failed=failed)
