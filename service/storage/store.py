@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -35,10 +35,22 @@ from service.storage.workers import worker_facts
 
 def transition(engine: Engine, run_id: str, target: RunStatus, **fields: Any) -> bool:
     """Move a run to ``target`` if the status machine allows it from its current state."""
+    return _move(engine, run_id, target, sources_of(target), fields)
+
+
+def cancel_queued(engine: Engine, run_id: str, error: str) -> bool:
+    """Cancel a run nobody has placed: the guarded move from ``queued`` only. A run placed
+    meanwhile is its runner's to end (moved on behind it, the runner could still start a
+    server for a cancelled run)."""
+    return _move(engine, run_id, RunStatus.cancelled, {RunStatus.queued}, {"error": error})
+
+
+def _move(engine: Engine, run_id: str, target: RunStatus, allowed: Collection[RunStatus],
+          fields: dict[str, Any]) -> bool:
     values: dict[str, Any] = {"status": target.value, **fields}
     if target in FINISHED and "finished_at" not in values:
         values["finished_at"] = utcnow()
-    sources = [s.value for s in sources_of(target)]
+    sources = [s.value for s in allowed]
     with Session(engine) as session:
         result = session.exec(
             update(Run).where(col(Run.id) == run_id, col(Run.status).in_(sources)).values(**values)

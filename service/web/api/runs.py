@@ -186,7 +186,7 @@ def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -
                 return True
         except TimeoutError:
             return True  # its runner is still winding down; it ends ``cancelled``
-        if store.transition(engine, run_id, RunStatus.cancelled, error=reason):
+        if store.cancel_queued(engine, run_id, reason):
             return True
         if store.get_run(engine, run_id).status in FINISHED:
             return False
