@@ -16,7 +16,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, update
+from sqlalchemy import Engine, and_, delete, func, or_, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -213,17 +213,14 @@ def fail_interrupted(engine: Engine) -> int:
     return failed
 
 
-def queued(engine: Engine, limit: int) -> list[Run]:
-    """The oldest queued runs, oldest first."""
+def queued(engine: Engine, limit: int, after: Run | None = None) -> list[Run]:
+    """The oldest queued runs, oldest first; with ``after``, those queued after that run."""
+    query = select(Run).where(Run.status == RunStatus.queued.value)
+    if after is not None:
+        query = query.where(or_(col(Run.created_at) > after.created_at,
+                                and_(col(Run.created_at) == after.created_at, col(Run.id) > after.id)))
     with Session(engine) as session:
-        return list(
-            session.exec(
-                select(Run)
-                .where(Run.status == RunStatus.queued.value)
-                .order_by(col(Run.created_at), col(Run.id))
-                .limit(limit)
-            ).all()
-        )
+        return list(session.exec(query.order_by(col(Run.created_at), col(Run.id)).limit(limit)).all())
 
 
 def record_pull(engine: Engine, run_id: str) -> None:
