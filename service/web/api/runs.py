@@ -37,6 +37,9 @@ from service.web.schemas import (
 
 log = logging.getLogger(__name__)
 
+# What a run's output token costs the service's memory at the summary's peak: its gap, as a
+# sample holds it and as the summary's arrays copy it (measured: 90 B at 2 M tokens).
+RUN_BYTES_PER_TOKEN = 90
 # How long a cancel waits for the run's runner to end it (it stops its drivers and saves).
 CANCEL_WAIT_S = 30.0
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -61,6 +64,7 @@ def submit_run(
     check_model(request, engine, spec.model)
     check_fits(request, engine, [spec])
     check_backend(request, spec)
+    check_size(request, spec)
     run, created = store.create_run(engine, spec, idempotency_key)
     if created:
         scheduler.notify()
@@ -87,6 +91,23 @@ def check_backend(request: Request, spec: RunSpec) -> None:
         raise Invalid(f"driver_nodes {spec.driver_nodes} spreads the load drivers over several nodes: "
                       "that needs a Ray cluster (DECODEBENCH_RAY_ADDRESS); this service runs them "
                       "on its own machine, where driver_nodes must be 1")
+
+
+def check_size(request: Request, spec: RunSpec) -> None:
+    """A 422 for a run asking more output tokens than ``max_run_output_tokens``: the service
+    holds every request's gaps in memory while it measures and summarises a run."""
+    limit = request.app.state.settings.max_run_output_tokens
+    requests = spec.prompt_budget()
+    tokens = requests * spec.output_len
+    if tokens <= limit:
+        return
+    named = "stop.max_prompts" if requests != spec.num_prompts else "num_prompts"
+    raise Invalid(
+        f"{named} x output_len is {requests:,} x {spec.output_len:,} = {tokens:,} output tokens; a run "
+        f"may ask for at most {limit:,} (DECODEBENCH_MAX_RUN_OUTPUT_TOKENS): the service holds every "
+        f"request's token gaps in memory while it measures and summarises a run, about "
+        f"{RUN_BYTES_PER_TOKEN} bytes a token ({tokens * RUN_BYTES_PER_TOKEN / 1e9:.1f} GB for this "
+        f"one). Split it into runs of fewer requests, or raise the limit where the memory is there")
 
 
 def check_model(request: Request, engine: Engine, model: str) -> None:
