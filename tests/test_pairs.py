@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from scipy import stats
 
+from service.analysis.comparison import BY_KEY, Arm, change
 from service.analysis.fill_verdict import by_the_rule
 from service.analysis.intervals import CONFIDENCE
 from service.analysis.pairs import PAIRED, pair_looks, pairs_needed, ratio_by_pairs
@@ -24,6 +25,7 @@ from service.core.status import RunStatus
 from service.core.sweep import SweepCreate
 from service.storage import store, sweeps
 from service.storage.db import make_engine
+from service.storage.tables import Run
 from service.web.sweep_view import sweep_public
 from tests.conftest import AUTH, ServedTestClient, make_settings, wait_finished
 
@@ -317,3 +319,24 @@ def test_until_decided_through_the_service_stops_when_decided_or_spent(client: T
     assert "of 2 (97.5% per look, Bonferroni)" in verdict["line"]
     bad = client.post("/api/sweeps", json={**body, "grid": {"input_len": [8]}})
     assert bad.status_code == 422 and "must sweep mode" in bad.text
+
+
+def _arm(name: str, values: list[float], paired: bool) -> Arm:
+    return Arm(name, [Run(id=f"{name}{k}", spec={}, model="m", status="succeeded",
+                          summary={"decode_median_itl_ms": v}, pair_id=f"p{k}" if paired else None)
+                      for k, v in enumerate(values)])
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_comparison_says_the_confidence_its_interval_was_taken_at(paired: bool) -> None:
+    metric = BY_KEY["decode_median_itl_ms"]
+    prefill = _arm("a", [10.0, 10.1, 9.9, 10.05], paired)
+    slower, same = _arm("b", [12.0, 12.2, 11.9, 12.1], paired), _arm("c", [10.3, 9.7, 10.2, 9.8], paired)
+    # An until_decided look takes its interval at a corrected confidence (here 3 looks).
+    look = 1 - (1 - CONFIDENCE) / 3
+    assert change(None, prefill, slower, metric, look)["message"].endswith(  # type: ignore[arg-type]
+        "worse (different at 98.3%)")
+    assert change(None, prefill, same, metric, look)["message"].endswith(  # type: ignore[arg-type]
+        "not distinguishable at 98.3%")
+    assert change(None, prefill, slower, metric)["message"].endswith(  # type: ignore[arg-type]
+        "worse (different at 95%)")
