@@ -11,6 +11,8 @@ from service.core.spec import RunSpec
 from service.core.status import FINISHED, TRANSITIONS, RunStatus
 from service.storage import store
 from service.storage.db import make_engine
+from service.storage.tables import Worker
+from service.storage.workers import add_worker, get_worker
 from service.web.api.runs import cancel_one
 
 
@@ -132,3 +134,19 @@ def test_a_run_placed_while_the_api_cancels_it_is_cancelled_by_its_runner(engine
     # on to start a server for it): the runner was asked, and ended it.
     assert scheduler.asked == 2
     assert store.get_run(engine, run_id).error == "by its runner"
+
+
+def test_a_server_counts_only_the_runs_that_ran_on_it(engine) -> None:  # type: ignore[no-untyped-def]
+    add_worker(engine, Worker(id="w-1", key="k", model="m", engine={}, url="http://127.0.0.1:9",
+                              port=9, token_hash="x", log_path="w.log"))
+    ran, infeasible, cancelled = _new_run(engine), _new_run(engine), _new_run(engine)
+    for run_id in (ran, infeasible, cancelled):
+        store.transition(engine, run_id, RunStatus.starting)
+    store.transition(engine, cancelled, RunStatus.cancelled)
+    assert store.begin_measuring(engine, ran, "w-1", None, "auto", None, {}, go=True)
+    # One that could not fit the server's KV cache (failed before its first request), and
+    # one cancelled while its server was being had: neither ran there.
+    assert not store.begin_measuring(engine, infeasible, "w-1", None, "auto", None, {}, go=False)
+    assert not store.begin_measuring(engine, cancelled, "w-1", None, "auto", None, {}, go=True)
+    served = get_worker(engine, "w-1")
+    assert served is not None and served.runs_served == 1

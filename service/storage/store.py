@@ -300,14 +300,12 @@ def snapshot_provenance(engine: Engine, run_id: str, worker_id: str, load_format
 def begin_measuring(engine: Engine, run_id: str, worker_id: str, cpu_binding: dict[str, Any] | None,
                     load_format: str, kv_tokens: int | None, facts: Mapping[str, Any], *,
                     go: bool) -> bool:
-    """A placed run is about to send its first request, in one transaction: its server
-    counts one more run served, the run records the server (``worker_id``: the connector's
-    pull is only answered for a run assigned to the asking worker) and its provenance
-    (see ``snapshot_provenance``); with ``go``, it moves to ``running`` (guarded) now.
-    True if it did."""
+    """A placed run is about to send its first request, in one transaction: the run records
+    the server (``worker_id``: the connector's pull is only answered for a run assigned to
+    the asking worker) and its provenance (see ``snapshot_provenance``); with ``go``, it
+    moves to ``running`` (guarded) now, and its server counts one more run served. True if
+    it did."""
     with write_session(engine) as session:
-        session.exec(update(Worker).where(col(Worker.id) == worker_id)
-                     .values(runs_served=col(Worker.runs_served) + 1))
         run = session.get(Run, run_id)
         if run is None:
             return False
@@ -324,7 +322,11 @@ def begin_measuring(engine: Engine, run_id: str, worker_id: str, cpu_binding: di
             update(Run).where(col(Run.id) == run_id, col(Run.status).in_(sources))
             .values(status=RunStatus.running.value, started_at=utcnow())
         )
-        return bool(result.rowcount == 1)
+        if result.rowcount != 1:
+            return False  # cancelled meanwhile: it never ran
+        session.exec(update(Worker).where(col(Worker.id) == worker_id)
+                     .values(runs_served=col(Worker.runs_served) + 1))
+        return True
 
 
 def record_drivers(engine: Engine, run_id: str, placement: list[dict[str, Any]]) -> None:
