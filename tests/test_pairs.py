@@ -20,9 +20,10 @@ from service.analysis.comparison import BY_KEY, Arm, change
 from service.analysis.fill_verdict import by_the_rule
 from service.analysis.intervals import CONFIDENCE
 from service.analysis.pairs import PAIRED, pair_looks, pairs_needed, ratio_by_pairs
+from service.control import until_decided
 from service.control.until_decided import follow_up
 from service.core.status import RunStatus
-from service.core.sweep import SweepCreate
+from service.core.sweep import SweepCreate, TrialsCreate
 from service.storage import store, sweeps
 from service.storage.db import make_engine
 from service.storage.tables import Run
@@ -250,6 +251,25 @@ def test_looks_taken_at_once_queue_one_look(tmp_path: Path) -> None:
     assert sorted(queued) == [0, 0, 0, 2]
     runs = sweeps.get_sweep(engine, wide)[1]
     assert len(runs) == 8 and len({r.pair_id for r in runs}) == 4
+
+
+def test_a_look_under_way_when_its_sweep_is_cancelled_queues_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine(tmp_path / "db.sqlite")
+    wide = _paired_sweep(engine, [0.0, 0.06], until_decided={"max_pairs": 8})
+    real = until_decided.fill_vs_prefill
+
+    def cancelled_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        # The sweep's cancel stops the rule (and cancels what is queued) while the look
+        # reads its verdict, which is still undecided.
+        sweeps.stop_rule(engine, wide, "the sweep was cancelled")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(until_decided, "fill_vs_prefill", cancelled_meanwhile)
+    assert follow_up(engine, sweeps.get_sweep(engine, wide)[1][0].id) == 0
+    assert len(sweeps.get_sweep(engine, wide)[1]) == 4
+    # A user's own added trials are not the rule's: they are queued all the same.
+    assert len(sweeps.add_trials(engine, wide, TrialsCreate(count=1))) == 2
 
 
 def test_a_look_missed_while_the_service_was_down_is_taken_at_its_start(tmp_path: Path) -> None:

@@ -129,8 +129,9 @@ def cancel_sweep(sweep_id: str, engine: DB, scheduler: Sched) -> SweepPublic:
     _, runs = sweeps.get_sweep(engine, sweep_id)
     if all(run.status in FINISHED for run in runs):
         raise Conflict(f"every run of sweep {sweep_id} already finished; nothing to cancel")
-    # The until_decided rule first, so that it queues no pairs behind the cancel; a look
-    # already under way may still have: those runs are cancelled by the next pass.
+    # The until_decided rule first, so that it queues no pairs behind the cancel: a look
+    # under way checks the stop again in its write, so it queued its pairs before the stop
+    # (the passes below cancel them) or queues none.
     sweeps.stop_rule(engine, sweep_id, "the sweep was cancelled")
     cancelled = 0
     for _ in range(CANCEL_PASSES):
