@@ -7,7 +7,9 @@ the scheduling step only update a dict under a lock. It sends every
 service reads the run's counters when its last request is done). Counters are
 cumulative per (run, role, rank), so a lost or repeated report does no harm; a
 run's last ``note`` (why a request was not treated as its mode says) rides along
-as ``error``.
+as ``error``. A report the service could not take (no answer, a 5xx) is sent again;
+one it refused (a 4xx: a removed worker's token, a body it will not read) is not, since
+it would be refused again: its runs go again only once their counters change.
 
 The server's provenance (``connector.provenance``), given once at the start, goes to
 ``POST {control_url}/api/connector/provenance`` from the same thread, retried until the
@@ -29,6 +31,8 @@ MAX_TRACKED_RUNS = 4096
 # After soon(), wait this long for more changes before sending (one report, not many).
 SOON_S = 0.2
 MAX_NOTE_CHARS = 500
+# Refusals that say "later" (a timeout, too many requests): sent again like a failure.
+ASK_LATER = frozenset({408, 429})
 
 
 class Reporter:
@@ -63,6 +67,7 @@ class Reporter:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
+        self._refused_warned = False
 
     def add(self, run_id: str, **deltas: float) -> None:
         """Add to a run's counters (cheap: called on the engine's path)."""
@@ -184,13 +189,26 @@ class Reporter:
         try:
             self._post(url, {"role": self.role, "rank": self.rank, "runs": runs})
             return sent_provenance
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            if not self._warned:
-                log.warning("could not report connector counters to %s: %s", url, exc)
-                self._warned = True
-            with self._lock:
-                self._dirty.update(r for r in runs if r in self._counters)
+        except urllib.error.HTTPError as exc:
+            if 400 <= exc.code < 500 and exc.code not in ASK_LATER:
+                if not self._refused_warned:
+                    log.warning("the service refused this server's connector counters (%s); a run's "
+                                "counters are sent again only once they change", exc)
+                    self._refused_warned = True
+                return sent_provenance
+            self._resend(runs, url, exc)
             return False
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            self._resend(runs, url, exc)
+            return False
+
+    def _resend(self, runs: dict[str, dict[str, Any]], url: str, exc: Exception) -> None:
+        """The service did not take a report: its runs go again at the next flush."""
+        if not self._warned:
+            log.warning("could not report connector counters to %s: %s", url, exc)
+            self._warned = True
+        with self._lock:
+            self._dirty.update(r for r in runs if r in self._counters)
 
     def close(self) -> None:
         """Send what is left and stop the thread."""

@@ -444,3 +444,21 @@ def test_a_one_value_query_parameter_given_twice_is_refused(client: TestClient) 
     compare = client.get("/api/compare", params=[("ids", run["id"]), ("ids", run["id"])])
     assert "given 2 times" not in compare.text
     assert client.get("/api/runs", params=[("limit", "5"), ("limit", "6")]).status_code == 422
+
+
+def test_a_run_or_sweep_point_over_the_output_token_limit_is_a_422_that_names_it(tmp_path: Path) -> None:
+    with make_client(tmp_path, max_run_output_tokens=10_000) as client:
+        refused = client.post("/api/runs", json={"num_prompts": 100, "output_len": 101})
+        assert refused.status_code == 422
+        detail = _detail(refused)
+        assert "num_prompts x output_len is 100 x 101 = 10,100 output tokens" in detail
+        assert "at most 10,000 (DECODEBENCH_MAX_RUN_OUTPUT_TOKENS)" in detail and "in memory" in detail
+        # With a stop rule, the most it may send counts.
+        stopped = client.post("/api/runs", json={"num_prompts": 10, "output_len": 100,
+                                                  "stop": {"max_prompts": 200, "itl_ci_pct": 5}})
+        assert stopped.status_code == 422 and "stop.max_prompts x output_len" in _detail(stopped)
+        sweep = client.post("/api/sweeps", json={"base": {"num_prompts": 100},
+                                                 "grid": {"output_len": [50, 200]}})
+        assert sweep.status_code == 422 and "100 x 200 = 20,000" in _detail(sweep)
+        assert client.get("/api/runs").json()["total"] == 0
+        assert client.post("/api/runs", json={"num_prompts": 100, "output_len": 100}).status_code == 201

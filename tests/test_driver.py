@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.driver import DriverConfig, shard_concurrency, shard_count
 from service.load.generator import LoadShape, make_plan
-from service.load.shards import DriverPool, Drivers, Progress
+from service.load.shards import DriverPool, Drivers, Progress, ShardedRun
 
 
 @pytest.mark.parametrize(("spec", "cpus", "shards"), [
@@ -120,3 +121,29 @@ def test_quiet_is_how_long_open_streams_waited_for_bytes(tmp_path: Path) -> None
     assert drivers.quiet() == (2, 0.5)
     drivers.progress = {k: Progress(0, 90.0, None, 100.0) for k in range(3)}
     assert drivers.quiet() == (0, 0.0)
+
+
+def _beat(t: float, open_now: int, last_data: float, oldest_open: float | None) -> dict[str, Any]:
+    return {"kind": "beat", "cpu": 0.1, "lag_ms": 0.0, "t": t, "open": open_now,
+            "last_data": last_data, "oldest_open": oldest_open}
+
+
+def test_a_finished_shard_does_not_hide_a_stuck_one(tmp_path: Path) -> None:
+    shape = LoadShape.of(RunSpec(input_len=8, output_len=4, num_prompts=6))
+    configs = [DriverConfig(run_id="r-stuck", spec=shape, base_url="http://127.0.0.1:1",
+                            served_model="stub", vocab_size=None, request_timeout_s=600,
+                            shard=k, shards=3) for k in range(3)]
+    run = ShardedRun(configs, hang_s=30)
+    ignore: list[Sample] = []
+    # Shard 2 finished its requests before it ever beat; shard 0 at t=100, once its last
+    # stream got its last bytes.
+    run.take(2, {"kind": "done", "duration": 1.0, "sent": 2}, ignore.append)
+    run.take(0, _beat(100.0, 0, 100.0, None), ignore.append)
+    run.take(0, {"kind": "done", "duration": 100.0, "sent": 2}, ignore.append)
+    # Shard 1's two streams got nothing after t=100 and it goes on beating.
+    run.take(1, _beat(100.0, 2, 100.0, 95.0), ignore.append)
+    assert run.quiet() == (2, 0.0)
+    run.take(1, _beat(160.0, 2, 100.0, 95.0), ignore.append)
+    assert run.quiet() == (2, 60.0)
+    run.take(1, _beat(400.0, 2, 100.0, 95.0), ignore.append)
+    assert run.quiet() == (2, 300.0)

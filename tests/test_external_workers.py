@@ -21,6 +21,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from service.control.queue import PLACE_AHEAD
 from service.storage.db import make_engine
 from tests.conftest import TESTS, make_client, wait_finished, wait_for
 
@@ -234,6 +235,18 @@ def test_a_run_waiting_for_a_registered_server_does_not_hold_up_other_runs(
     local = client.post("/api/runs", json={**SMALL, "model": "decodebench-tiny"}).json()["id"]
     assert wait_finished(client, local)["status"] == "succeeded"
     assert client.get(f"/api/runs/{waiting}").json()["status"] == "queued"
+
+
+def test_any_number_of_runs_waiting_for_a_registered_server_do_not_hold_up_a_run_behind(
+    client: TestClient,
+) -> None:
+    registered = _register(client, f"http://127.0.0.1:{_free_port()}")
+    _worker(client, registered["id"], "unavailable")
+    # More than one pass of the scheduler reads at first, and more than twice that.
+    waiting = [client.post("/api/runs", json=SMALL).json()["id"] for _ in range(3 * PLACE_AHEAD + 1)]
+    local = client.post("/api/runs", json={**SMALL, "model": "decodebench-tiny"}).json()["id"]
+    assert wait_finished(client, local, timeout=60)["status"] == "succeeded"
+    assert client.get("/api/runs", params={"status": "queued"}).json()["total"] == len(waiting)
 
 
 def test_server_that_dies_mid_run_fails_that_run_only_and_comes_back(

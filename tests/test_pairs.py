@@ -16,14 +16,17 @@ import pytest
 from fastapi.testclient import TestClient
 from scipy import stats
 
+from service.analysis.comparison import BY_KEY, Arm, change
 from service.analysis.fill_verdict import by_the_rule
 from service.analysis.intervals import CONFIDENCE
 from service.analysis.pairs import PAIRED, pair_looks, pairs_needed, ratio_by_pairs
+from service.control import until_decided
 from service.control.until_decided import follow_up
 from service.core.status import RunStatus
-from service.core.sweep import SweepCreate
+from service.core.sweep import SweepCreate, TrialsCreate
 from service.storage import store, sweeps
 from service.storage.db import make_engine
+from service.storage.tables import Run
 from service.web.sweep_view import sweep_public
 from tests.conftest import AUTH, ServedTestClient, make_settings, wait_finished
 
@@ -250,6 +253,25 @@ def test_looks_taken_at_once_queue_one_look(tmp_path: Path) -> None:
     assert len(runs) == 8 and len({r.pair_id for r in runs}) == 4
 
 
+def test_a_look_under_way_when_its_sweep_is_cancelled_queues_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine(tmp_path / "db.sqlite")
+    wide = _paired_sweep(engine, [0.0, 0.06], until_decided={"max_pairs": 8})
+    real = until_decided.fill_vs_prefill
+
+    def cancelled_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        # The sweep's cancel stops the rule (and cancels what is queued) while the look
+        # reads its verdict, which is still undecided.
+        sweeps.stop_rule(engine, wide, "the sweep was cancelled")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(until_decided, "fill_vs_prefill", cancelled_meanwhile)
+    assert follow_up(engine, sweeps.get_sweep(engine, wide)[1][0].id) == 0
+    assert len(sweeps.get_sweep(engine, wide)[1]) == 4
+    # A user's own added trials are not the rule's: they are queued all the same.
+    assert len(sweeps.add_trials(engine, wide, TrialsCreate(count=1))) == 2
+
+
 def test_a_look_missed_while_the_service_was_down_is_taken_at_its_start(tmp_path: Path) -> None:
     # The last pair of an undecided point ended, then the service stopped before its look.
     settings = make_settings(tmp_path)
@@ -317,3 +339,24 @@ def test_until_decided_through_the_service_stops_when_decided_or_spent(client: T
     assert "of 2 (97.5% per look, Bonferroni)" in verdict["line"]
     bad = client.post("/api/sweeps", json={**body, "grid": {"input_len": [8]}})
     assert bad.status_code == 422 and "must sweep mode" in bad.text
+
+
+def _arm(name: str, values: list[float], paired: bool) -> Arm:
+    return Arm(name, [Run(id=f"{name}{k}", spec={}, model="m", status="succeeded",
+                          summary={"decode_median_itl_ms": v}, pair_id=f"p{k}" if paired else None)
+                      for k, v in enumerate(values)])
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_comparison_says_the_confidence_its_interval_was_taken_at(paired: bool) -> None:
+    metric = BY_KEY["decode_median_itl_ms"]
+    prefill = _arm("a", [10.0, 10.1, 9.9, 10.05], paired)
+    slower, same = _arm("b", [12.0, 12.2, 11.9, 12.1], paired), _arm("c", [10.3, 9.7, 10.2, 9.8], paired)
+    # An until_decided look takes its interval at a corrected confidence (here 3 looks).
+    look = 1 - (1 - CONFIDENCE) / 3
+    assert change(None, prefill, slower, metric, look)["message"].endswith(  # type: ignore[arg-type]
+        "worse (different at 98.3%)")
+    assert change(None, prefill, same, metric, look)["message"].endswith(  # type: ignore[arg-type]
+        "not distinguishable at 98.3%")
+    assert change(None, prefill, slower, metric)["message"].endswith(  # type: ignore[arg-type]
+        "worse (different at 95%)")

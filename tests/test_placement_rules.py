@@ -238,3 +238,16 @@ LENGTH_CASES: list[tuple[str, list[QueuedRow], list[WorkerRow], str, list[Decisi
 def test_place_lengths(queued: list[QueuedRow], workers: list[WorkerRow], gpus: str,
                        expected: list[Decision]) -> None:
     assert place(queued, workers, [], gpus.split(",") if gpus else []) == expected
+
+
+def test_the_pass_names_the_run_that_stopped_it_and_none_when_every_run_held_nothing() -> None:
+    registered = [w("x1", A, external=True, busy=True)]
+    stopped: list[str] = []
+    # Runs waiting for a registered server hold nothing: the pass goes past every one.
+    assert place([q("r1", A), q("r2", A)], registered, [], []) == []
+    place([q("r1", A), q("r2", A)], registered, [], [], stopped=stopped)
+    assert stopped == []
+    # A run of a kind whose local worker is busy waits for it, and everything behind it.
+    place([q("r1", A), q("r2", B), q("r3", C)], [*registered, w("w2", B, busy=True)], [], [],
+          stopped=stopped)
+    assert stopped == ["r2"]

@@ -3,6 +3,7 @@ when the write that ends it fails."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,14 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.exc import OperationalError
 
+from service.control.fleet import Placement
+from service.control.runner import Runner
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.storage import measurements, store
 from service.storage.db import make_engine
-from tests.conftest import make_client, wait_finished
+from tests.conftest import make_client, make_settings, wait_finished
 
 
 def _sample(i: int) -> Sample:
@@ -73,3 +76,31 @@ def test_a_run_whose_end_cannot_be_written_is_failed_not_left_running(
         assert "could not be recorded" in done["error"]
         # What was measured is kept.
         assert len(client.get(f"/api/runs/{run['id']}/requests").json()) == 3
+
+
+class _NotWalked(list[Sample]):
+    """A run's samples that fail the test if anything goes over all of them."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("every sample of the run was gone over")
+
+
+def test_progress_is_saved_from_running_counts_not_a_walk_over_every_sample(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path)
+    engine = make_engine(settings.db_path)
+    run, _ = store.create_run(engine, RunSpec(num_prompts=3000))
+    runner = Runner(settings, engine, None, run.id, RunSpec(num_prompts=3000),  # type: ignore[arg-type]
+                    Placement(key="k"))
+    runner.samples = _NotWalked()
+
+    async def measure() -> None:
+        for i in range(3000):
+            sample = _sample(i)
+            sample.success = i % 10 != 0
+            runner.took(sample)
+            if i % 1000 == 999:
+                await runner.persist()
+
+    asyncio.run(measure())
+    assert (store.get_run(engine, run.id).completed, store.get_run(engine, run.id).failed) == (2700, 300)
+    assert measurements.count_samples(engine, run.id) == 3000

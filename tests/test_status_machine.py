@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ from service.core.spec import RunSpec
 from service.core.status import FINISHED, TRANSITIONS, RunStatus
 from service.storage import store
 from service.storage.db import make_engine
+from service.storage.tables import Worker
+from service.storage.workers import add_worker, get_worker
+from service.web.api.runs import cancel_one
 
 
 @pytest.fixture
@@ -91,3 +95,58 @@ def test_restart_fails_interrupted_runs_and_keeps_queued(engine) -> None:  # typ
         run = store.get_run(engine, run_id)
         assert run.status == "failed"
         assert run.error is not None and f"while this run was {was}" in run.error
+
+
+def test_the_fallback_cancel_moves_only_a_queued_run(engine) -> None:  # type: ignore[no-untyped-def]
+    queued, starting = _new_run(engine), _new_run(engine)
+    store.transition(engine, starting, RunStatus.starting)
+    assert store.cancel_queued(engine, queued, "cancelled by the user")
+    assert not store.cancel_queued(engine, starting, "cancelled by the user")
+    assert store.get_run(engine, queued).status == "cancelled"
+    assert store.get_run(engine, starting).status == "starting"
+
+
+class _PlacedMeanwhile:
+    """A scheduler that had no runner for the run at the first cancel, then placed it (its
+    runner moved it to ``starting``) before the API's own move: the second cancel reaches
+    the runner, which ends the run."""
+
+    def __init__(self, engine, run_id: str) -> None:  # type: ignore[no-untyped-def]
+        self.engine, self.run_id, self.asked = engine, run_id, 0
+
+    def cancel(self, run_id: str) -> Future[bool]:
+        answer: Future[bool] = Future()
+        self.asked += 1
+        if self.asked == 1:
+            store.transition(self.engine, self.run_id, RunStatus.starting)
+            answer.set_result(False)
+        else:
+            store.transition(self.engine, self.run_id, RunStatus.cancelled, error="by its runner")
+            answer.set_result(True)
+        return answer
+
+
+def test_a_run_placed_while_the_api_cancels_it_is_cancelled_by_its_runner(engine) -> None:  # type: ignore[no-untyped-def]
+    run_id = _new_run(engine)
+    scheduler = _PlacedMeanwhile(engine, run_id)
+    assert cancel_one(engine, scheduler, run_id, "cancelled by the user")  # type: ignore[arg-type]
+    # The API did not cancel a starting run behind its runner's back (which would have gone
+    # on to start a server for it): the runner was asked, and ended it.
+    assert scheduler.asked == 2
+    assert store.get_run(engine, run_id).error == "by its runner"
+
+
+def test_a_server_counts_only_the_runs_that_ran_on_it(engine) -> None:  # type: ignore[no-untyped-def]
+    add_worker(engine, Worker(id="w-1", key="k", model="m", engine={}, url="http://127.0.0.1:9",
+                              port=9, token_hash="x", log_path="w.log"))
+    ran, infeasible, cancelled = _new_run(engine), _new_run(engine), _new_run(engine)
+    for run_id in (ran, infeasible, cancelled):
+        store.transition(engine, run_id, RunStatus.starting)
+    store.transition(engine, cancelled, RunStatus.cancelled)
+    assert store.begin_measuring(engine, ran, "w-1", None, "auto", None, {}, go=True)
+    # One that could not fit the server's KV cache (failed before its first request), and
+    # one cancelled while its server was being had: neither ran there.
+    assert not store.begin_measuring(engine, infeasible, "w-1", None, "auto", None, {}, go=False)
+    assert not store.begin_measuring(engine, cancelled, "w-1", None, "auto", None, {}, go=True)
+    served = get_worker(engine, "w-1")
+    assert served is not None and served.runs_served == 1

@@ -197,11 +197,11 @@ def ratio(engine: Engine, a: Arm, b: Arm, metric: Metric, seed: int = 0,
     if metric.values is None or not a.ok or not b.ok:
         return None
     return ratio_by_requests(a.request_groups(engine, metric.values),
-                             b.request_groups(engine, metric.values), metric.q, seed=seed)
+                             b.request_groups(engine, metric.values), metric.q, confidence, seed=seed)
 
 
-# What a difference found over the requests of one run a side is said to be.
-WITHIN_RUNS = ("different at 95% within these two runs; drift between runs is not in this interval: "
+# What a difference found over the requests of one run a side is said to be, at a level.
+WITHIN_RUNS = ("different at {level} within these two runs; drift between runs is not in this interval: "
                "repeat both to tell")
 
 
@@ -228,9 +228,11 @@ def change(engine: Engine, a: Arm, b: Arm, metric: Metric,
     # may be that drift. Said with the verdict rather than hidden: it is all one run gives.
     across = found.method != BOOTSTRAP
     pct = (found.value - 1) * 100
-    said = "different at 95%" if across else WITHIN_RUNS
+    # The interval's own confidence: a sweep's until_decided looks take theirs corrected.
+    level = f"{100 * confidence:.3g}%"
+    said = f"different at {level}" if across else WITHIN_RUNS.format(level=level)
     message = (f"{pct:+.1f}% [{(found.lo - 1) * 100:+.1f}%, {(found.hi - 1) * 100:+.1f}%]: "
-               + (f"{direction} ({said})" if direction else "not distinguishable at 95%"))
+               + (f"{direction} ({said})" if direction else f"not distinguishable at {level}"))
     return out | {"ratio": found.value, "ci": [found.lo, found.hi], "method": found.method,
                   "verdict": verdict, "direction": direction, "message": message,
                   "across_runs": across, "pairs": found.pairs, "log_sd": found.log_sd}

@@ -95,11 +95,13 @@ def place(
     gpus: Sequence[str],
     busy_pairs: Collection[str] = (),
     pair_servers: Mapping[str, str] | None = None,
+    stopped: list[str] | None = None,
 ) -> list[Decision]:
     """The decisions for this pass. ``starting``: (kind, GPUs) of runs placed earlier
     whose new worker is not up yet; ``gpus``: the GPUs the service may use (empty on a
     CPU machine); ``busy_pairs``: the pairs with a run placed and not ended;
-    ``pair_servers``: the server a pair's ended run ran on."""
+    ``pair_servers``: the server a pair's ended run ran on; ``stopped`` gets the run that
+    stopped the pass, if one did (then no later run could be placed)."""
     state = _State({w.id: w for w in workers}, [(k, tuple(g)) for k, g in starting])
     busy = set(busy_pairs)
     out: list[Decision] = []
@@ -123,6 +125,8 @@ def place(
         if decision is None:
             if _waits_on_registered(run, state):
                 continue
+            if stopped is not None:
+                stopped.append(run.id)
             break
         if run.pair_id is not None:
             busy.add(run.pair_id)

@@ -35,10 +35,12 @@ from service.core.spec import RunSpec, describe
 from service.core.status import RunStatus
 from service.settings import Settings
 from service.storage import store
+from service.storage.tables import Run
 
 log = logging.getLogger(__name__)
 
-# How many queued runs one pass of the loop looks at.
+# How many queued runs one pass of the loop reads first; it reads on (twice as many each
+# time) while every run it read was placed or waits holding nothing.
 PLACE_AHEAD = 64
 # How many pairs' servers are remembered for their second run (a pair's runs are queued
 # next to each other, so its partner is placed soon after).
@@ -203,6 +205,12 @@ class Scheduler:
 
         self._on_loop(tell)
 
+    def decode_so_far(self, run_id: str) -> tuple[float | None, int] | None:
+        """The decode median ITL (ms) and steady gaps of the requests a run being measured
+        has saved, as its runner keeps them; None when no runner has the run. From any thread."""
+        runner = self._runners.get(run_id)
+        return None if runner is None else runner.decode_so_far.figure()
+
     def handling(self, run_id: str) -> bool:
         """Whether a runner still works on the run (a cancelled run's runner winds down
         after the API moved it to ``cancelled``: it saves the samples it has). From any thread."""
@@ -227,28 +235,40 @@ class Scheduler:
         specs: dict[str, RunSpec] = {}
         in_sweep: set[str] = set()
         in_capacity: set[str] = set()
-        for run in await asyncio.to_thread(store.queued, self.engine, limit=PLACE_AHEAD):
-            if run.sweep_id is not None:
-                in_sweep.add(run.id)
-            if run.capacity_id is not None:
-                in_capacity.add(run.id)
-            if run.id in self._tasks:
-                continue  # placed already; its task has not moved it on yet
-            try:
-                spec = specs[run.id] = RunSpec.stored(run.spec)
-            except ValidationError as exc:
-                # One bad row must not hold up the queue: it fails, the others go on.
-                await self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}",
-                                        run.id in in_capacity)
-                continue
-            queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size,
-                                    run.pair_id, spec.longest_request()))
+        last: Run | None = None
+        ahead = PLACE_AHEAD
+        while True:
+            page = await asyncio.to_thread(store.queued, self.engine, limit=ahead, after=last)
+            for run in page:
+                if run.sweep_id is not None:
+                    in_sweep.add(run.id)
+                if run.capacity_id is not None:
+                    in_capacity.add(run.id)
+                if run.id in self._tasks:
+                    continue  # placed already; its task has not moved it on yet
+                try:
+                    spec = specs[run.id] = RunSpec.stored(run.spec)
+                except ValidationError as exc:
+                    # One bad row must not hold up the queue: it fails, the others go on.
+                    await self._fail_queued(run.id, f"its stored spec no longer validates: {describe(exc)}",
+                                            run.id in in_capacity)
+                    continue
+                queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size,
+                                        run.pair_id, spec.longest_request()))
+            workers, starting = self.fleet.rows()
+            busy_pairs = {r.pair_id for r in self._runners.values() if r.pair_id}
+            stopped: list[str] = []
+            decisions = place(queued, workers, starting, self.fleet.gpu_ids(),
+                              busy_pairs=busy_pairs, pair_servers=self._pair_servers, stopped=stopped)
+            if stopped or len(page) < ahead:
+                break
+            # Every run read waits holding nothing (for a registered server, for its pair) or
+            # was placed: the queue is read on, in growing pages, so that no number of such
+            # runs starves the runs behind them.
+            last = page[-1]
+            ahead *= 2
         pair_of = {row.id: row.pair_id for row in queued if row.pair_id}
-        workers, starting = self.fleet.rows()
         failed: list[tuple[str, str]] = []
-        busy_pairs = {r.pair_id for r in self._runners.values() if r.pair_id}
-        decisions = place(queued, workers, starting, self.fleet.gpu_ids(),
-                          busy_pairs=busy_pairs, pair_servers=self._pair_servers)
         for decision in decisions:
             if decision.fail is not None:
                 failed.append((decision.run_id, decision.fail))

@@ -32,6 +32,7 @@ from service.analysis.checks import (
 )
 from service.analysis.metrics import prefill_stall, run_warnings, summarize, summary_intervals
 from service.analysis.roofline import roofline
+from service.analysis.running_decode import RunningDecode
 from service.analysis.server_metrics import Point as ScrapedPoint
 from service.analysis.server_metrics import Scraper
 from service.analysis.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
@@ -106,7 +107,15 @@ class Runner:
         # True once ``_end`` has moved the run to its final status: nothing left to check.
         self.end_written = False
         self.samples: list[Sample] = []
+        # Answered and failed requests among ``samples``, counted as they come: progress is
+        # saved every half second, and a count over every sample would grow with the run.
+        self.answered = 0
+        self.failed = 0
         self._saved = 0
+        # The decode median of the samples saved so far, for progress displays (``GET
+        # /api/runs/{id}/live``): kept as they are saved, never recomputed from all of them.
+        self.decode_so_far = RunningDecode()
+        self._tallied = 0
         # The progress counts (completed, failed) last saved; None: none yet.
         self._saved_counts: tuple[int, int] | None = None
         # The worker's /metrics during the run, ``t`` on the samples' clock (perf_counter).
@@ -135,20 +144,31 @@ class Runner:
 
     # ------------------------------------------------------------ samples
 
+    def took(self, sample: Sample) -> None:
+        """A request of the run ended: its sample is kept and counted. On the event loop."""
+        self.samples.append(sample)
+        if sample.success:
+            self.answered += 1
+        else:
+            self.failed += 1
+
     async def persist(self) -> None:
         """Save the samples not saved yet and the progress counts (in a thread: database
         work never runs on the event loop). One save at a time."""
         async with self._persisting:
             new = self.samples[self._saved:]
             points = self.points[self._saved_points:]
-            ok = sum(s.success for s in self.samples)
-            failed = len(self.samples) - ok
+            ok, failed = self.answered, self.failed
             if not new and not points and self._saved_counts == (ok, failed):
                 return  # all of it is in the database already
 
             def save() -> None:
                 if new:
                     measurements.save_samples(self.engine, self.run_id, new)
+                    # Each sample once, though a save that fails later comes again with it.
+                    upto = self._saved + len(new)
+                    self.decode_so_far.add(self.samples[self._tallied:upto])
+                    self._tallied = upto
                 if points:
                     measurements.save_server_points(self.engine, self.run_id, points)
                 store.update_fields(self.engine, self.run_id, completed=ok, failed=failed)
@@ -398,7 +418,7 @@ class Runner:
         watch = self.watchdog = Watchdog(self.settings, self.spec, self.fleet, handle, drivers)
 
         def on_sample(sample: Sample) -> None:
-            self.samples.append(sample)
+            self.took(sample)
             watch.saw(sample)
 
         # At the start and end always; during the run only when asked (``scrape_every_s``):
@@ -458,8 +478,7 @@ class Runner:
     async def _end(self, status: RunStatus | None, error: str | None, **fields: object) -> None:
         """The one way out: save what is left of the samples and write the end state
         (``status`` None: keep the status the API set). Retried; never raises."""
-        ok = sum(s.success for s in self.samples)
-        counts: dict[str, Any] = {"completed": ok, "failed": len(self.samples) - ok}
+        counts: dict[str, Any] = {"completed": self.answered, "failed": self.failed}
         if self.stopped_by is not None:
             counts["stopped_by"] = self.stopped_by
             if self.spec.stop is not None:

@@ -86,7 +86,14 @@ def _look(engine: Engine, sweep: Sweep, rule: Looks, runs: Sequence[Run], mine: 
     upcoming = next((c for c in rule.counts if c > queued), None)
     if upcoming is None:
         return 0
-    sweeps.add_trials(engine, sweep.id, TrialsCreate(count=upcoming - queued, point=mine or None))
+    # The rule may have been stopped (the sweep cancelled) since it was read: the write
+    # checks again, and queues nothing then.
+    added = sweeps.add_trials(engine, sweep.id, TrialsCreate(count=upcoming - queued, point=mine or None),
+                              for_rule=True)
+    if not added:
+        log.info("sweep %s, point %s: undecided at %d pairs; its rule was stopped meanwhile, "
+                 "nothing queued", sweep.id, mine, queued)
+        return 0
     log.info("sweep %s, point %s: undecided at %d pairs; %d more queued", sweep.id, mine, queued,
              upcoming - queued)
     return upcoming - queued

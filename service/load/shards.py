@@ -257,8 +257,9 @@ class ShardedRun:
         self.sent = 0
         # Per shard, from its latest beat (on the service's clock).
         self.progress: dict[int, Progress] = {}
-        # Each shard's duration, from its ``done`` line.
+        # Each shard's duration, from its ``done`` line; the shards that sent one.
         self.durations: list[float] = []
+        self.finished: set[int] = set()
         self._ready: set[int] = set()
         # Set once every shard has done its warmup: the schedule may start.
         self.all_ready = asyncio.Event()
@@ -269,20 +270,23 @@ class ShardedRun:
         return [{"shard": k, "node_id": "local", "node_ip": "127.0.0.1"} for k in range(len(self.configs))]
 
     def quiet(self) -> tuple[int, float] | None:
-        """Streams open over all shards, and for how long they have waited for bytes with
-        none coming: from the later of the last bytes any shard saw and the start of the
-        oldest stream open (a stream opened after a pause between requests has waited only
-        since it opened) to the oldest of the shards' latest beats (a shard may have had
-        bytes since its beat, unknown yet). None before every shard has beaten once."""
-        if len(self.progress) < len(self.configs):
+        """Streams open over the shards still sending, and for how long they have waited for
+        bytes with none coming: from the later of the last bytes any shard saw and the start
+        of the oldest stream open (a stream opened after a pause between requests has waited
+        only since it opened) to the oldest of the sending shards' latest beats (a shard may
+        have had bytes since its beat, unknown yet; a finished one beats no more, and its
+        last beat must not hold the others' silence back). None before every shard has
+        beaten once or finished."""
+        if len(self.progress.keys() | self.finished) < len(self.configs):
             return None
-        shards = self.progress.values()
-        open_now = sum(p.open for p in shards)
-        starts = [p.oldest_open for p in shards if p.open and p.oldest_open is not None]
+        sending = [p for k, p in self.progress.items() if k not in self.finished]
+        open_now = sum(p.open for p in sending)
+        starts = [p.oldest_open for p in sending if p.open and p.oldest_open is not None]
         if not starts:
             return open_now, 0.0
-        since = max(max(p.last_data for p in shards), min(starts))
-        known_until = min(p.t for p in shards)
+        # A finished shard's last bytes count: the server answered then.
+        since = max(max(p.last_data for p in self.progress.values()), min(starts))
+        known_until = min(p.t for p in sending)
         return open_now, max(0.0, known_until - since)
 
     def take(self, shard: int, message: dict[str, Any], on_sample: Callable[[Sample], None],
@@ -301,6 +305,7 @@ class ShardedRun:
             if len(self._ready) == len(self.configs):
                 self.all_ready.set()
         elif kind == "done":
+            self.finished.add(shard)
             self.durations.append(float(message["duration"]))
             self.sent += int(message.get("sent", 0))
         elif kind == "stopped":

@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, update
+from sqlalchemy import Engine, and_, delete, func, or_, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -35,10 +35,22 @@ from service.storage.workers import worker_facts
 
 def transition(engine: Engine, run_id: str, target: RunStatus, **fields: Any) -> bool:
     """Move a run to ``target`` if the status machine allows it from its current state."""
+    return _move(engine, run_id, target, sources_of(target), fields)
+
+
+def cancel_queued(engine: Engine, run_id: str, error: str) -> bool:
+    """Cancel a run nobody has placed: the guarded move from ``queued`` only. A run placed
+    meanwhile is its runner's to end (moved on behind it, the runner could still start a
+    server for a cancelled run)."""
+    return _move(engine, run_id, RunStatus.cancelled, {RunStatus.queued}, {"error": error})
+
+
+def _move(engine: Engine, run_id: str, target: RunStatus, allowed: Collection[RunStatus],
+          fields: dict[str, Any]) -> bool:
     values: dict[str, Any] = {"status": target.value, **fields}
     if target in FINISHED and "finished_at" not in values:
         values["finished_at"] = utcnow()
-    sources = [s.value for s in sources_of(target)]
+    sources = [s.value for s in allowed]
     with Session(engine) as session:
         result = session.exec(
             update(Run).where(col(Run.id) == run_id, col(Run.status).in_(sources)).values(**values)
@@ -201,17 +213,14 @@ def fail_interrupted(engine: Engine) -> int:
     return failed
 
 
-def queued(engine: Engine, limit: int) -> list[Run]:
-    """The oldest queued runs, oldest first."""
+def queued(engine: Engine, limit: int, after: Run | None = None) -> list[Run]:
+    """The oldest queued runs, oldest first; with ``after``, those queued after that run."""
+    query = select(Run).where(Run.status == RunStatus.queued.value)
+    if after is not None:
+        query = query.where(or_(col(Run.created_at) > after.created_at,
+                                and_(col(Run.created_at) == after.created_at, col(Run.id) > after.id)))
     with Session(engine) as session:
-        return list(
-            session.exec(
-                select(Run)
-                .where(Run.status == RunStatus.queued.value)
-                .order_by(col(Run.created_at), col(Run.id))
-                .limit(limit)
-            ).all()
-        )
+        return list(session.exec(query.order_by(col(Run.created_at), col(Run.id)).limit(limit)).all())
 
 
 def record_pull(engine: Engine, run_id: str) -> None:
@@ -291,14 +300,12 @@ def snapshot_provenance(engine: Engine, run_id: str, worker_id: str, load_format
 def begin_measuring(engine: Engine, run_id: str, worker_id: str, cpu_binding: dict[str, Any] | None,
                     load_format: str, kv_tokens: int | None, facts: Mapping[str, Any], *,
                     go: bool) -> bool:
-    """A placed run is about to send its first request, in one transaction: its server
-    counts one more run served, the run records the server (``worker_id``: the connector's
-    pull is only answered for a run assigned to the asking worker) and its provenance
-    (see ``snapshot_provenance``); with ``go``, it moves to ``running`` (guarded) now.
-    True if it did."""
+    """A placed run is about to send its first request, in one transaction: the run records
+    the server (``worker_id``: the connector's pull is only answered for a run assigned to
+    the asking worker) and its provenance (see ``snapshot_provenance``); with ``go``, it
+    moves to ``running`` (guarded) now, and its server counts one more run served. True if
+    it did."""
     with write_session(engine) as session:
-        session.exec(update(Worker).where(col(Worker.id) == worker_id)
-                     .values(runs_served=col(Worker.runs_served) + 1))
         run = session.get(Run, run_id)
         if run is None:
             return False
@@ -315,7 +322,11 @@ def begin_measuring(engine: Engine, run_id: str, worker_id: str, cpu_binding: di
             update(Run).where(col(Run.id) == run_id, col(Run.status).in_(sources))
             .values(status=RunStatus.running.value, started_at=utcnow())
         )
-        return bool(result.rowcount == 1)
+        if result.rowcount != 1:
+            return False  # cancelled meanwhile: it never ran
+        session.exec(update(Worker).where(col(Worker.id) == worker_id)
+                     .values(runs_served=col(Worker.runs_served) + 1))
+        return True
 
 
 def record_drivers(engine: Engine, run_id: str, placement: list[dict[str, Any]]) -> None:

@@ -84,10 +84,12 @@ def _selected(grid: dict[str, list[Any]], point: dict[str, Any] | None) -> dict[
 
 
 def add_trials(engine: Engine, sweep_id: str, body: TrialsCreate,
-               rng: random.Random | None = None) -> list[Run]:
+               rng: random.Random | None = None, *, for_rule: bool = False) -> list[Run]:
     """Queue ``body.count`` more trials of every point ``body.point`` selects (pairs of a
     sweep over mode), after what is queued; trial ``k`` runs with seed ``seed + k`` like
-    the first ones. A point that had one run becomes a group of trials. The new runs."""
+    the first ones. A point that had one run becomes a group of trials. The new runs.
+    ``for_rule``: a look of the sweep's until_decided rule, which adds nothing once the rule
+    was stopped (checked in the write, so a cancel's stop before it wins)."""
     sweep, runs = get_sweep(engine, sweep_id)
     grid: dict[str, list[Any]] = sweep.grid
     wanted = _selected(grid, body.point)
@@ -126,6 +128,12 @@ def add_trials(engine: Engine, sweep_id: str, body: TrialsCreate,
     added = _interleave(list(grid), per_point, rng or random.Random())
     queue_in_order(added)
     with write_session(engine) as session:
+        # BEGIN IMMEDIATE, like ``stop_rule``'s: one of the two writes comes first. After
+        # the stop, nothing; before it, the cancel that stopped it finds these runs.
+        stored_sweep = session.get(Sweep, sweep_id)
+        if for_rule and (stored_sweep is None
+                         or ((stored_sweep.options or {}).get("until_decided") or {}).get("stopped")):
+            return []
         for run in regrouped:
             stored = session.get(Run, run.id)
             assert stored is not None

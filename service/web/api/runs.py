@@ -37,6 +37,9 @@ from service.web.schemas import (
 
 log = logging.getLogger(__name__)
 
+# What a run's output token costs the service's memory at the summary's peak: its gap, as a
+# sample holds it and as the summary's arrays copy it (measured: 90 B at 2 M tokens).
+RUN_BYTES_PER_TOKEN = 90
 # How long a cancel waits for the run's runner to end it (it stops its drivers and saves).
 CANCEL_WAIT_S = 30.0
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -61,6 +64,7 @@ def submit_run(
     check_model(request, engine, spec.model)
     check_fits(request, engine, [spec])
     check_backend(request, spec)
+    check_size(request, spec)
     run, created = store.create_run(engine, spec, idempotency_key)
     if created:
         scheduler.notify()
@@ -87,6 +91,23 @@ def check_backend(request: Request, spec: RunSpec) -> None:
         raise Invalid(f"driver_nodes {spec.driver_nodes} spreads the load drivers over several nodes: "
                       "that needs a Ray cluster (DECODEBENCH_RAY_ADDRESS); this service runs them "
                       "on its own machine, where driver_nodes must be 1")
+
+
+def check_size(request: Request, spec: RunSpec) -> None:
+    """A 422 for a run asking more output tokens than ``max_run_output_tokens``: the service
+    holds every request's gaps in memory while it measures and summarises a run."""
+    limit = request.app.state.settings.max_run_output_tokens
+    requests = spec.prompt_budget()
+    tokens = requests * spec.output_len
+    if tokens <= limit:
+        return
+    named = "stop.max_prompts" if requests != spec.num_prompts else "num_prompts"
+    raise Invalid(
+        f"{named} x output_len is {requests:,} x {spec.output_len:,} = {tokens:,} output tokens; a run "
+        f"may ask for at most {limit:,} (DECODEBENCH_MAX_RUN_OUTPUT_TOKENS): the service holds every "
+        f"request's token gaps in memory while it measures and summarises a run, about "
+        f"{RUN_BYTES_PER_TOKEN} bytes a token ({tokens * RUN_BYTES_PER_TOKEN / 1e9:.1f} GB for this "
+        f"one). Split it into runs of fewer requests, or raise the limit where the memory is there")
 
 
 def check_model(request: Request, engine: Engine, model: str) -> None:
@@ -186,7 +207,7 @@ def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -
                 return True
         except TimeoutError:
             return True  # its runner is still winding down; it ends ``cancelled``
-        if store.transition(engine, run_id, RunStatus.cancelled, error=reason):
+        if store.cancel_queued(engine, run_id, reason):
             return True
         if store.get_run(engine, run_id).status in FINISHED:
             return False
@@ -194,36 +215,37 @@ def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -
     return False
 
 
-# The decode figures of runs in progress by (run, requests done): a display polls every
-# half second, and the samples change only when requests end. A few runs at a time.
-_LIVE: OrderedDict[str, tuple[int, Any, Any]] = OrderedDict()
-_LIVE_LOCK = threading.Lock()
-LIVE_KEPT = 64
+# The decode figures of finished runs without a summary (cancelled, failed), by (run,
+# requests done): computed once from the stored samples. A few runs at a time.
+_ENDED: OrderedDict[str, tuple[int, Any, Any]] = OrderedDict()
+_ENDED_LOCK = threading.Lock()
+ENDED_KEPT = 64
 
 
-def _running_decode(engine: Engine, run_id: str, done: int) -> tuple[Any, Any]:
-    """(decode median ITL ms, steady gaps) of a run's stored samples, computed again only
-    when more requests have ended."""
-    with _LIVE_LOCK:
-        cached = _LIVE.get(run_id)
+def _ended_decode(engine: Engine, run_id: str, done: int) -> tuple[Any, Any]:
+    """(decode median ITL ms, steady gaps) of a finished run's stored samples, computed
+    once per run."""
+    with _ENDED_LOCK:
+        cached = _ENDED.get(run_id)
     if cached is not None and cached[0] == done:
         return cached[1], cached[2]
     samples = [s for found in measurements.sample_slices(engine, run_id) for s in found]
     decode = decode_stats(samples) if any(s.success for s in samples) else {}
     value = (done, decode.get("decode_median_itl_ms"), decode.get("decode_gaps"))
-    with _LIVE_LOCK:
-        _LIVE[run_id] = value
-        _LIVE.move_to_end(run_id)
-        while len(_LIVE) > LIVE_KEPT:
-            _LIVE.popitem(last=False)
+    with _ENDED_LOCK:
+        _ENDED[run_id] = value
+        _ENDED.move_to_end(run_id)
+        while len(_ENDED) > ENDED_KEPT:
+            _ENDED.popitem(last=False)
     return value[1], value[2]
 
 
 @router.get("/api/runs/{run_id}/live", response_model=RunLive, dependencies=READ)
-def get_live(run_id: str, engine: DB) -> RunLive:
+def get_live(run_id: str, engine: DB, scheduler: Sched) -> RunLive:
     """How a run is going, for a progress display: requests done of total, seconds since it
     started, an estimate of the seconds left, and the decode median ITL of the requests
-    finished so far (the steady decode window over them, as the summary takes it)."""
+    saved so far (the steady decode window over them, as the summary takes it; while the
+    run is measured, its runner's running figure, within 0.1%)."""
     run = store.get_run(engine, run_id)
     done = run.completed + run.failed
     elapsed = None
@@ -232,10 +254,15 @@ def get_live(run_id: str, engine: DB) -> RunLive:
     eta = None
     if elapsed is not None and run.status not in FINISHED and 0 < done < run.total:
         eta = elapsed / done * (run.total - done)
+    itl: Any = None
+    gaps: Any = 0
     if run.summary is not None:
         itl, gaps = run.summary.get("decode_median_itl_ms"), run.summary.get("decode_gaps")
-    else:
-        itl, gaps = _running_decode(engine, run_id, done)
+    elif run.status in FINISHED:
+        itl, gaps = _ended_decode(engine, run_id, done)
+    elif (running := scheduler.decode_so_far(run_id)) is not None:
+        # Polled every half second during a run: never a read of all its samples.
+        itl, gaps = running
     return RunLive(id=run.id, status=run.status, completed=run.completed, failed=run.failed,
                    total=run.total, elapsed_s=elapsed, eta_s=eta,
                    decode_median_itl_ms=itl if gaps else None, decode_gaps=int(gaps or 0),

@@ -17,7 +17,7 @@ from service.core.sweep import SweepCreate, TrialsCreate
 from service.storage import logs, sweeps
 from service.web import sweep_view, vllm_sweep
 from service.web.api.exports import csv_attachment
-from service.web.api.runs import cancel_one, check_backend, check_fits, check_model
+from service.web.api.runs import cancel_one, check_backend, check_fits, check_model, check_size
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import SweepList, SweepPublic, SweepSummary
@@ -37,6 +37,7 @@ def submit_sweep(body: SweepCreate, request: Request, engine: DB, scheduler: Sch
         specs = [spec for _, spec in body.points()]
         for spec in specs:
             check_backend(request, spec)
+            check_size(request, spec)
         check_fits(request, engine, specs)
     sweep = sweeps.create_sweep(engine, body)
     scheduler.notify()
@@ -128,8 +129,9 @@ def cancel_sweep(sweep_id: str, engine: DB, scheduler: Sched) -> SweepPublic:
     _, runs = sweeps.get_sweep(engine, sweep_id)
     if all(run.status in FINISHED for run in runs):
         raise Conflict(f"every run of sweep {sweep_id} already finished; nothing to cancel")
-    # The until_decided rule first, so that it queues no pairs behind the cancel; a look
-    # already under way may still have: those runs are cancelled by the next pass.
+    # The until_decided rule first, so that it queues no pairs behind the cancel: a look
+    # under way checks the stop again in its write, so it queued its pairs before the stop
+    # (the passes below cancel them) or queues none.
     sweeps.stop_rule(engine, sweep_id, "the sweep was cancelled")
     cancelled = 0
     for _ in range(CANCEL_PASSES):

@@ -1,0 +1,78 @@
+"""The connector's reports of its counters against a real HTTP server that answers as a test
+sets: a refusal (4xx) is not sent again, a failure (5xx, no answer) is."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from connector.report import Reporter
+
+
+class Control:
+    """A control service that answers every report with ``status`` and counts them."""
+
+    def __init__(self) -> None:
+        self.status = 403
+        self.posts = 0
+        control = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                control.posts += 1
+                self.send_response(control.status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def control() -> Iterator[Control]:
+    c = Control()
+    yield c
+    c.server.shutdown()
+    c.server.server_close()
+
+
+@pytest.fixture
+def reporter(control: Control) -> Iterator[Reporter]:
+    r = Reporter(control.url, "revoked-token", "scheduler", 0, interval_s=0.02)
+    yield r
+    r.close()
+
+
+def _posts_settle(control: Control, seconds: float = 0.5) -> int:
+    time.sleep(seconds)
+    return control.posts
+
+
+def test_a_refused_report_is_not_sent_again(control: Control, reporter: Reporter) -> None:
+    reporter.add("r-1", requests_seen=1)
+    # 25 intervals: once refused, the same counters are not posted again.
+    assert _posts_settle(control) == 1
+    # New counters are a new report.
+    reporter.add("r-1", requests_seen=1)
+    assert _posts_settle(control) == 2
+
+
+@pytest.mark.parametrize("status", [500, 429])
+def test_a_report_the_service_could_not_take_is_sent_again(control: Control, reporter: Reporter,
+                                                           status: int) -> None:
+    control.status = status
+    reporter.add("r-1", requests_seen=1)
+    assert _posts_settle(control) >= 5
+    control.status = 204
+    taken = _posts_settle(control)
+    assert _posts_settle(control) == taken
