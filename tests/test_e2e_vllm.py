@@ -83,8 +83,9 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
         yield client
 
 
-def _start_vllm(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    return start_vllm(model_dir, log_path, *extra, served_name=TINY_MODEL_NAME)
+def _start_vllm(model_dir: Path, log_path: Path, *extra: str,
+                port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    return start_vllm(model_dir, log_path, *extra, served_name=TINY_MODEL_NAME, port=port)
 
 
 @pytest.fixture(scope="module")

@@ -63,9 +63,10 @@ def real_service(data_dir: Path, **env_extra: str) -> Iterator[httpx.Client]:
 
 
 def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, dtype: str = "float32",
-               kv_bytes: int = 1 << 30) -> tuple[subprocess.Popen[bytes], str]:
-    """A plain vLLM server on ``model_dir`` with dummy weights, in a session of its own."""
-    port = free_port()
+               kv_bytes: int = 1 << 30, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A plain vLLM server on ``model_dir`` with dummy weights, in a session of its own
+    (on ``port``, or a free one)."""
+    port = port or free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--load-format", "dummy", "--enforce-eager",
