@@ -20,7 +20,7 @@ from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec, point_key
 from service.core.status import FINISHED
 from service.storage.db import write_session
-from service.storage.store import queue_in_order
+from service.storage.store import queue_in_order, status_counts
 from service.storage.tables import Baseline, CapacitySearch, Run, SampleRow, ServerMetricPoint
 
 ACTIVE = "active"
@@ -127,14 +127,7 @@ def search_page(engine: Engine, limit: int,
             select(CapacitySearch).order_by(col(CapacitySearch.created_at).desc(),
                                             col(CapacitySearch.id).desc())
             .offset(offset).limit(limit)).all())
-        counts: dict[str, dict[str, int]] = {s.id: {} for s in searches}
-        if searches:
-            rows = session.exec(
-                select(Run.capacity_id, Run.status, func.count())
-                .where(col(Run.capacity_id).in_(list(counts))).group_by(Run.capacity_id, Run.status)
-            ).all()
-            for search_id, status, n in rows:
-                counts[str(search_id)][status] = int(n)
+        counts = status_counts(session, Run.capacity_id, [s.id for s in searches])
         total = session.exec(select(func.count()).select_from(CapacitySearch)).one()
         return [(s, counts[s.id]) for s in searches], int(total)
 

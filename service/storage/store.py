@@ -85,6 +85,20 @@ def trial_runs(spec: RunSpec, sweep_id: str | None = None) -> list[Run]:
     return runs
 
 
+def status_counts(session: Session, owner: Any, ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Runs per status of each owner in ``ids`` (``owner``: the run column naming it, such as
+    ``Run.sweep_id``), in one query; every id present, an owner with no runs empty."""
+    counts: dict[str, dict[str, int]] = {i: {} for i in ids}
+    if ids:
+        rows = session.exec(
+            select(owner, Run.status, func.count())
+            .where(col(owner).in_(list(ids))).group_by(owner, Run.status)
+        ).all()
+        for owner_id, status, n in rows:
+            counts[str(owner_id)][status] = int(n)
+    return counts
+
+
 def queue_in_order(runs: Sequence[Run]) -> None:
     """Give runs about to be stored creation times that keep their order in the queue."""
     # The scheduler takes queued runs by creation time: distinct, increasing times keep

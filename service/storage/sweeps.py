@@ -15,7 +15,7 @@ from service.core.spec import MAX_REPEATS, RunSpec, point_key
 from service.core.status import FINISHED
 from service.core.sweep import MAX_SWEEP_RUNS, SweepCreate, TrialsCreate
 from service.storage.db import write_session
-from service.storage.store import queue_in_order, trial_runs
+from service.storage.store import queue_in_order, status_counts, trial_runs
 from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint, Sweep
 
 
@@ -210,14 +210,7 @@ def sweep_page(engine: Engine, limit: int, offset: int) -> tuple[list[tuple[Swee
             select(Sweep).order_by(col(Sweep.created_at).desc(), col(Sweep.id).desc())
             .offset(offset).limit(limit)
         ).all())
-        counts: dict[str, dict[str, int]] = {sweep.id: {} for sweep in sweeps}
-        if sweeps:
-            rows = session.exec(
-                select(Run.sweep_id, Run.status, func.count())
-                .where(col(Run.sweep_id).in_(list(counts))).group_by(Run.sweep_id, Run.status)
-            ).all()
-            for sweep_id, status, n in rows:
-                counts[str(sweep_id)][status] = int(n)
+        counts = status_counts(session, Run.sweep_id, [sweep.id for sweep in sweeps])
         total = session.exec(select(func.count()).select_from(Sweep)).one()
         return [(sweep, counts[sweep.id]) for sweep in sweeps], int(total)
 
