@@ -34,7 +34,7 @@ TPOT at concurrency 1 and the full-batch figure above it:
 
 ``--service-env KEY=VALUE`` starts the service (and so its worker) with extra
 environment: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` reproduces vLLM's own layout for
-a server with a connector on 2 cores, for the layout comparison in README.md.
+a server with a connector on 2 cores, for the layout comparison in docs/cpu.md.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 class Settings(BaseSettings):
-    """Everything the service can be told; see ARCHITECTURE.md ("Settings") and README.md."""
+    """Everything the service can be told; each field is documented in docs/reference.md."""
 
     model_config = SettingsConfigDict(env_prefix="DECODEBENCH_")
 
