@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO))
 from fidelity import engine, mean_ci, reference_server, service  # noqa: E402
 
 from service.analysis.intervals import Interval, pooled_median_ci  # noqa: E402
-from service.analysis.metrics import steady_gaps, summarize  # noqa: E402
+from service.analysis.metrics import summarize  # noqa: E402
+from service.analysis.steady_window import steady_gaps  # noqa: E402
 from service.core.sample import Sample  # noqa: E402
 from service.core.shapes import ensure_bundled  # noqa: E402
 from service.core.tinymodel import TINY_MODEL_NAME  # noqa: E402

@@ -64,7 +64,8 @@ sys.path.insert(0, str(REPO))
 
 from harness import free_port  # noqa: E402
 
-from service.analysis.metrics import decode_stats, is_bunched, summarize  # noqa: E402
+from service.analysis.bursts import is_bunched  # noqa: E402
+from service.analysis.metrics import decode_stats, summarize  # noqa: E402
 from service.control.cpu_binding import BINDING_VARS, binding_env  # noqa: E402
 from service.control.vllm_cli import engine_flags  # noqa: E402
 from service.core.sample import Sample  # noqa: E402
@@ -177,7 +178,7 @@ def _trial(samples: list[Sample], duration: float, concurrency: int) -> Trial:
     if len(ok) < len(samples):
         first = next(s.error for s in samples if not s.success)
         raise SystemExit(f"{len(samples) - len(ok)} requests failed: {first}")
-    # Streams the client saw in bursts say nothing of decode (service.analysis.metrics.is_bunched): the
+    # Streams the client saw in bursts say nothing of decode (service.analysis.bursts.is_bunched): the
     # figures come from the others, the same rule for every arm, and the share is reported.
     streamed = [s for s in ok if not is_bunched(s)]
     summary = summarize(streamed, duration)

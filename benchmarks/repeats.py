@@ -54,8 +54,8 @@ from fidelity import service  # noqa: E402
 
 from service.analysis.fill_verdict import by_the_rule  # noqa: E402
 from service.analysis.intervals import CONFIDENCE, ratio_by_requests, ratio_by_trials  # noqa: E402
-from service.analysis.metrics import summary_intervals  # noqa: E402
 from service.analysis.pairs import pair_looks, ratio_by_pairs  # noqa: E402
+from service.analysis.summary_intervals import summary_intervals  # noqa: E402
 from service.core.sample import Sample  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Does watching the server disturb what it measures? Decode on a real vLLM CPU server with
 the service's scrape of its Prometheus ``/metrics`` (``service.analysis.server_metrics.Scraper``,
 every ``--every`` seconds, as during every run) against the same server not scraped.
-Also counts the streams that reached the client bunched (``service.analysis.metrics.is_bunched``)
+Also counts the streams that reached the client bunched (``service.analysis.bursts.is_bunched``)
 in each arm, with Fisher's exact test: on a small machine vLLM's API server renders
 ``/metrics`` in the process that streams tokens.
 
@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from fidelity import _fmt_ci, ratio_ci, reference_server  # noqa: E402
 
-from service.analysis.metrics import is_bunched, summarize  # noqa: E402
+from service.analysis.bursts import is_bunched  # noqa: E402
+from service.analysis.metrics import summarize  # noqa: E402
 from service.analysis.server_metrics import Point, Scraper  # noqa: E402
 from service.core.sample import Sample  # noqa: E402
 from service.core.spec import RunSpec  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 
 from service.core.sample import Sample
 from service.core.spec import RunSpec
-from service.load.forkserver import DriverHost, HostedDriver
+from service.load.forkserver_client import DriverHost, HostedDriver
 from service.load.shards import DriverPool, DriverProcess, Drivers, _stop_processes
 from tests.service_process import pid_alive
 

@@ -18,8 +18,8 @@ import pytest
 
 from service.core.sample import Sample
 from service.core.spec import RunSpec
-from service.load import forkserver
-from service.load.forkserver import DriverHost
+from service.load import forkserver_client as client_side
+from service.load.forkserver_client import DriverHost
 from service.load.shards import DriverPool, Drivers
 
 LOOPS = ["asyncio", "uvloop"]
@@ -128,9 +128,9 @@ def test_a_spawn_cancelled_at_any_wait_closes_what_it_opened(tmp_path: Path, loo
             assert await _crash(host, tmp_path / "warm.log") == 1
             before = _fds()
             if where == "stdout":
-                monkeypatch.setattr(forkserver, "_EndingReader", cancelling(forkserver._EndingReader))
+                monkeypatch.setattr(client_side, "_EndingReader", cancelling(client_side._EndingReader))
             elif where == "stdin":
-                monkeypatch.setattr(forkserver, "_StdinProtocol", cancelling(forkserver._StdinProtocol))
+                monkeypatch.setattr(client_side, "_StdinProtocol", cancelling(client_side._StdinProtocol))
             for k in range(4):
                 spawn = asyncio.create_task(host.spawn(tmp_path / f"c{k}.log", 1 << 16))
                 if where == "forked":

@@ -9,16 +9,11 @@ from typing import Any
 
 import pytest
 
-from service.analysis.metrics import (
-    Sample,
-    decode_stats,
-    export_vllm,
-    is_bunched,
-    peak_in_flight,
-    prefill_stall,
-    run_warnings,
-    summarize,
-)
+from service.analysis.bursts import is_bunched, run_warnings
+from service.analysis.metrics import decode_stats, peak_in_flight, summarize
+from service.analysis.steady_window import prefill_stall
+from service.analysis.vllm_result import export_vllm
+from service.core.sample import Sample
 
 HERE = Path(__file__).resolve()
 # A real result file of `vllm bench serve` (vLLM 0.32.0), kept with the tests.

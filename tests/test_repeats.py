@@ -9,7 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from scipy import stats
 
-from service.analysis.metrics import summarize, summary_intervals
+from service.analysis.metrics import summarize
+from service.analysis.summary_intervals import summary_intervals
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import RunStatus

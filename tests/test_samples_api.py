@@ -12,7 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlmodel import Session
 
-from service.analysis.metrics import VLLM_REQUEST_LISTS, export_vllm, summarize
+from service.analysis.metrics import summarize
+from service.analysis.vllm_result import VLLM_REQUEST_LISTS, export_vllm
 from service.core.ids import new_id
 from service.core.sample import Sample
 from service.core.spec import RunSpec

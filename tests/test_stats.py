@@ -15,7 +15,8 @@ from service.analysis.intervals import (
     ratio_by_requests,
     ratio_by_trials,
 )
-from service.analysis.metrics import summarize, summary_intervals
+from service.analysis.metrics import summarize
+from service.analysis.summary_intervals import summary_intervals
 from service.core.sample import Sample
 
 

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from service.analysis.intervals import CONFIDENCE, Interval, pooled_quantile_ci
-from service.analysis.metrics import steady_gaps
+from service.analysis.steady_window import steady_gaps
 from service.core.ids import utcnow
 from service.core.sample import Sample
 from service.core.spec import RunSpec

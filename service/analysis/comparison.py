@@ -30,8 +30,9 @@ from service.analysis.intervals import (
     ratio_by_requests,
     ratio_by_trials,
 )
-from service.analysis.metrics import request_values, wait_windows
 from service.analysis.pairs import ratio_by_pairs
+from service.analysis.steady_window import wait_windows
+from service.analysis.summary_intervals import request_values
 from service.core.errors import Conflict, NotFound, shown
 from service.core.spec import point_key
 from service.core.status import FINISHED, MEASURED
@@ -42,7 +43,7 @@ from service.storage.tables import Run
 @dataclass(frozen=True)
 class Metric:
     """A compared statistic: its summary key, the per-request values it is taken over
-    (``service.analysis.metrics.request_values``; None: a whole-run figure, compared over trials
+    (``service.analysis.summary_intervals.request_values``; None: a whole-run figure, compared over trials
     only) and its quantile."""
 
     key: str

@@ -22,6 +22,7 @@ from service.analysis.comparison import (
     spec_value,
 )
 from service.analysis.intervals import BOOTSTRAP, CONFIDENCE, Ratio
+from service.analysis.looks import Looks
 from service.analysis.pairs import (
     DECIDING_HALF_WIDTH,
     PRIOR_LOG_SD,
@@ -31,7 +32,6 @@ from service.analysis.pairs import (
     pooled_log_sd,
     ratio_by_pairs,
 )
-from service.analysis.stopping import Looks
 from service.storage.tables import Run
 
 # How far fill may sit from real prefill and still be called a match (ratio of decode ITL

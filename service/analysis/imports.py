@@ -20,7 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.analysis.metrics import summarize, summary_intervals
+from service.analysis.metrics import summarize
+from service.analysis.summary_intervals import summary_intervals
 from service.core import provenance
 from service.core.errors import Invalid
 from service.core.sample import Sample

@@ -29,7 +29,7 @@ import numpy as np
 from scipy import stats
 
 from service.analysis.intervals import CONFIDENCE, Ratio
-from service.analysis.stopping import Looks, planned_looks
+from service.analysis.looks import Looks, planned_looks
 
 PAIRED = "paired t over pairs"
 # Half-width on the log scale of an interval that decides (about +-5%).

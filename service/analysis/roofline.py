@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.metrics import steady_masks, token_times
+from service.analysis.steady_window import steady_masks, token_times
 from service.core.sample import Sample
 
 

@@ -4,7 +4,7 @@ A progress display asks for it every half second while the run is measured; reco
 from every sample (``metrics.decode_stats``) costs the whole run each time. ``RunningDecode``
 takes each request once and answers in a time that does not grow with the run:
 
-- The steady decode window is the summary's (``metrics.steady_masks``): a gap counts when no
+- The steady decode window is the summary's (``steady_window.steady_masks``): a gap counts when no
   request of the run was waiting for its first token during it. Each request's gaps are
   judged against the waits known when it comes; a request ending later whose wait overlaps
   gaps counted already takes them out again (only requests that ended after its wait began
@@ -65,7 +65,7 @@ class RunningDecode:
         self._ends: list[float] = []
         self._requests: list[_Request] = []
         # The waits for a first token so far, merged into disjoint intervals sorted by
-        # start (their ends are then sorted too), as ``metrics.wait_windows`` makes them.
+        # start (their ends are then sorted too), as ``steady_window.wait_windows`` makes them.
         self._wait_starts: list[float] = []
         self._wait_ends: list[float] = []
 
@@ -99,7 +99,7 @@ class RunningDecode:
         ends = np.asarray(self._wait_ends[lo:hi], dtype=np.float64)
         if not starts.size:
             return np.ones(times.size - 1, dtype=bool)
-        # As ``metrics.steady_masks``: the last wait begun before the gap ended overlaps it
+        # As ``steady_window.steady_masks``: the last wait begun before the gap ended overlaps it
         # if it ends after the gap began.
         j = np.searchsorted(starts, times[1:], side="left") - 1
         steady: np.ndarray = ~((j >= 0) & (ends[np.maximum(j, 0)] > times[:-1]))

@@ -1,13 +1,13 @@
 """Stop rules: when a run has measured enough, and the record of why it stopped.
 
 A run with ``stop.itl_ci_pct`` keeps sending until the interval of its median decode ITL
-(the steady-decode gaps of ``metrics.steady_gaps``, resampled by whole requests) lies
+(the steady-decode gaps of ``steady_window.steady_gaps``, resampled by whole requests) lies
 within +-``itl_ci_pct`` percent of the median.
 
 Looking at a 95% interval again and again and stopping the first time it is narrow is
 optional stopping: among many looks one is narrow by chance, and the interval given at
 that stop holds the true median less often than 95%. So the rule looks only at counts of
-answered requests planned from the spec (``Looks``): ``min_prompts``, then each time the
+answered requests planned from the spec (``service.analysis.looks``): ``min_prompts``, then each time the
 count doubles, and the budget; K looks at most, K known before the run. Each look's
 interval has confidence 1 - 5%/K, so the chance that any of the K intervals misses the
 true median is at most 5% (Bonferroni): the interval a run reports misses it in at most
@@ -28,7 +28,6 @@ their arguments only (the looks' intervals are cached, see ``_Taken``).
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
 import threading
@@ -39,8 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.intervals import CONFIDENCE, Interval, pooled_median_ci
-from service.analysis.metrics import steady_gaps
+from service.analysis.intervals import Interval, pooled_median_ci
+from service.analysis.looks import Looks, planned_looks
+from service.analysis.steady_window import steady_gaps
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 
@@ -50,38 +50,7 @@ DURATION = "duration"
 MAX_PROMPTS = "max_prompts"
 NUM_PROMPTS = "num_prompts"
 
-# Each planned look after the first is at this many times the count of the one before.
-GROWTH = 2
 METHOD = "Bonferroni over the planned looks"
-
-
-@dataclass(frozen=True)
-class Looks:
-    """The counts of answered requests at which the interval rule takes its interval:
-    ``min_prompts``, doubling, and the budget."""
-
-    counts: tuple[int, ...]
-
-    @property
-    def confidence(self) -> float:
-        """Of each look's interval: 1 - 5%/looks, so that together they miss with at most 5%."""
-        return 1 - (1 - CONFIDENCE) / len(self.counts)
-
-    def reached(self, answered: int) -> int:
-        """How many looks ``answered`` requests have reached."""
-        return bisect.bisect_right(self.counts, answered)
-
-
-def planned_looks(first: int, budget: int) -> Looks:
-    """Looks at ``first``, each later one at ``GROWTH`` times the one before, and at the
-    budget: the plan of the stop rule within a run (counts of requests) and of a sweep's
-    rule over pairs of trials (``service.analysis.pairs``)."""
-    counts = [first]
-    while counts[-1] * GROWTH < budget:
-        counts.append(counts[-1] * GROWTH)
-    if counts[-1] < budget:
-        counts.append(budget)
-    return Looks(tuple(counts))
 
 
 def looks(spec: RunSpec) -> Looks | None:

@@ -8,13 +8,11 @@ decides the node.
 
 Each server is a detached, named actor (``server-<worker id>`` in the service's
 namespace, ``ray_namespace``) holding ``tensor_parallel_size`` GPUs (or CPUs) on the
-node Ray picked. The actor (``ServerHost``) starts vLLM there as a child process group
-listening on the node's address, copies its output to a log file on that node, and
-answers for its state; the service reaches the server over HTTP like any other. Named
-and detached so that a service that crashed finds them on its next start and stops them
-(``reap_orphans``): nothing it started is left running on the cluster. The child also
-gets SIGTERM from the kernel when the actor's process dies (``PR_SET_PDEATHSIG``), so a
-lost actor does not leave vLLM behind on a node that lives on.
+node Ray picked. The actor (``ServerHost``, in ``service.control.ray_server_host``: the
+code that runs on the node) starts vLLM there; the service reaches the server over HTTP
+like any other. Named and detached so that a service that crashed finds them on its next
+start and stops them (``reap_orphans``): nothing it started is left running on the
+cluster. This module is the service's side.
 
 Liveness is watched from the service every ``WATCH_S``: an actor that died (its node
 left the cluster, its process was killed) makes its server's ``poll`` return an exit
@@ -26,15 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import secrets
 import signal
 import socket
-import subprocess
-import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -47,17 +41,16 @@ from ray.exceptions import GetTimeoutError, RayError
 from sqlalchemy import Engine
 
 from service.control import provenance
-from service.control.cpu_binding import binding_env, parse_binding_log
+from service.control.cpu_binding import parse_binding_log
 from service.control.energy import EnergyMeter, result_of
 from service.control.handles import WorkerError, WorkerHandle
-from service.control.procs import WORKER_ENV, drain_to_capped_file, log_head, stop_process_group
+from service.control.ray_server_host import ServerHost
 from service.control.vllm_cli import kv_capacity, model_vocab_size, served_max_model_len, worker_argv
 from service.core.ids import new_id, utcnow
 from service.core.shapes import ensure_bundled, is_bundled
 from service.core.spec import RunSpec
 from service.settings import Settings
 from service.storage import workers
-from service.storage.logs import log_tail
 from service.storage.tables import Worker
 from service.storage.workers import hash_token
 
@@ -77,101 +70,6 @@ LOST = -int(signal.SIGKILL)
 PLACE_TRIES = 3
 # How long the service waits for the cluster's address to answer at start.
 CONNECT_TIMEOUT_S = 5.0
-# prctl option: the signal a child gets when the thread that started it exits.
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the actor's process dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-
-
-class ServerHost:
-    """Runs on the node Ray chose, for one server: starts it, keeps its log, stops it.
-    Methods are called one at a time (a threaded actor of one)."""
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.dir = Path(tempfile.gettempdir()) / "decodebench"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.dir / f"{worker_id}.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.meter: EnergyMeter | None = None
-
-    def where(self) -> dict[str, Any]:
-        """The node, its address, the GPUs Ray gave this actor, and where the bundled tiny
-        model can be written."""
-        context = ray.get_runtime_context()
-        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        return {"id": context.get_node_id(), "address": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
-                "gpu_ids": gpu_ids, "models_dir": str(self.dir / "models")}
-
-    def free_port(self, address: str) -> int:
-        """A port free on this node's address now."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((address, 0))
-            return int(s.getsockname()[1])
-
-    def start(self, argv: list[str], env: dict[str, str], tensor_parallel_size: int,
-              on_cpu: bool, log_max_bytes: int, bundled: tuple[str, int | None] | None) -> dict[str, Any]:
-        """Start the server as a process group of its own; its pid and, on a CPU, the
-        binding variables it got. ``bundled``: the bundled model (name, layers) to write
-        on this node first."""
-        if bundled is not None:
-            ensure_bundled(self.dir / "models", *bundled)
-        full = dict(os.environ)
-        full.update(env)
-        full[WORKER_ENV] = self.worker_id
-        chosen: dict[str, str] | None = None
-        if on_cpu:
-            chosen = binding_env(tensor_parallel_size, full)
-            full.update(chosen)
-        # On a GPU node Ray set CUDA_VISIBLE_DEVICES of this process to the GPUs it holds.
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=full, cwd=str(self.dir), process_group=0, preexec_fn=_die_with_parent,
-        )
-        assert self.process.stdout is not None
-        threading.Thread(target=drain_to_capped_file,
-                         args=(self.process.stdout, self.log_path, log_max_bytes),
-                         name=f"log-{self.worker_id}", daemon=True).start()
-        return {"pid": self.process.pid, "log_path": str(self.log_path),
-                "cpu_binding": {"env": chosen} if chosen is not None else None}
-
-    def poll(self) -> int | None:
-        """The server's exit code once it has ended, else None."""
-        return None if self.process is None else self.process.poll()
-
-    def tail(self) -> str:
-        """The last lines of the server's log."""
-        return log_tail(self.log_path)
-
-    def head(self) -> str:
-        """The first part of the server's log (what vLLM said while it started)."""
-        return log_head(self.log_path)
-
-    def energy_start(self, gpu_ids: list[str]) -> None:
-        """Start reading the energy and clocks of this node's GPUs ``gpu_ids`` (NVML), or of
-        its CPU packages without GPUs, beside the server (``service.control.energy``)."""
-        self.meter = EnergyMeter.on_this_host(gpu_ids)
-        self.meter.start()
-
-    def energy_stop(self) -> dict[str, Any]:
-        """Stop reading; what was read (``EnergyMeter.state``)."""
-        if self.meter is None:
-            return EnergyMeter(None, "the meter on the node was never started").state()
-        self.meter.stop()
-        return self.meter.state()
-
-    def stop(self, grace_s: float) -> int | None:
-        """Stop the server's process group (SIGTERM, SIGKILL after ``grace_s``)."""
-        if self.process is not None:
-            stop_process_group(self.process, grace_s)
-            return self.process.returncode
-        return None
-
-
 class RayProcess:
     """A server actor as the fleet sees a process: ``poll`` answers from the last look
     (``RayServers.watch``), never by asking the cluster."""

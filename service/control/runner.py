@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
+from service.analysis.bursts import run_warnings
 from service.analysis.checks import (
     Point,
     asked_concurrency,
@@ -30,13 +31,15 @@ from service.analysis.checks import (
     infeasible,
     server_warnings,
 )
-from service.analysis.metrics import prefill_stall, run_warnings, summarize, summary_intervals
+from service.analysis.metrics import summarize
 from service.analysis.roofline import roofline
 from service.analysis.running_decode import RunningDecode
 from service.analysis.server_metrics import Point as ScrapedPoint
 from service.analysis.server_metrics import Scraper
+from service.analysis.steady_window import prefill_stall
 from service.analysis.stopping import ITL_CI, MAX_PROMPTS, NUM_PROMPTS, itl_interval, itl_rule_met
 from service.analysis.stopping import record as stop_record
+from service.analysis.summary_intervals import summary_intervals
 from service.control import hub, provenance
 from service.control.energy import EnergyMeter, energy_warnings
 from service.control.fleet import Fleet, LoadDrivers, Placement

@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 
 from service.analysis.comparison import arms_of, spec_value
 from service.analysis.fill_verdict import fill_vs_prefill, finished_pairs, rule_stopped, sweep_rule
-from service.analysis.stopping import Looks
+from service.analysis.looks import Looks
 from service.core.sweep import TrialsCreate
 from service.storage import store, sweeps
 from service.storage.tables import Run, Sweep

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from service.core.sample import Sample
 from service.load.driver import DriverConfig, shard_count
-from service.load.forkserver import DriverHost, HostLost
+from service.load.forkserver_client import DriverHost, HostLost
 from service.load.generator import LoadShape
 from service.storage.logs import log_tail
 
@@ -47,7 +47,7 @@ class DriverError(Exception):
 
 class DriverProcess(Protocol):
     """One driver process as ``Drivers`` uses it: an ``asyncio`` child process, or a
-    driver forked by the host (``forkserver.HostedDriver``)."""
+    driver forked by the host (``forkserver_client.HostedDriver``)."""
 
     stdin: asyncio.StreamWriter | None
     stdout: asyncio.StreamReader | None

@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import Engine
 
 from service.analysis import server_metrics
-from service.analysis.metrics import VLLM_REQUEST_LISTS, is_bunched, selected_stats, vllm_result
+from service.analysis.bursts import is_bunched
+from service.analysis.vllm_result import VLLM_REQUEST_LISTS, selected_stats, vllm_result
 from service.core import provenance
 from service.core.errors import Conflict, Invalid
 from service.core.protocol import connector_totals

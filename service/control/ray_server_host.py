@@ -1,0 +1,123 @@
+"""A vLLM server's host on a Ray node: the actor's side of ``service.control.ray_servers``.
+
+``ServerHost`` runs in a detached, named actor on the node Ray picked, one per server. It
+starts vLLM there as a child process group listening on the node's address, copies its
+output to a log file on that node, answers for its state and reads the node's energy
+beside it. The child gets SIGTERM from the kernel when the actor's process dies
+(``PR_SET_PDEATHSIG``), so a lost actor does not leave vLLM behind on a node that lives on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from service.control.cpu_binding import binding_env
+from service.control.energy import EnergyMeter
+from service.control.procs import WORKER_ENV, drain_to_capped_file, log_head, stop_process_group
+from service.core.shapes import ensure_bundled
+from service.storage.logs import log_tail
+
+# prctl option: the signal a child gets when the thread that started it exits.
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the actor's process dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+class ServerHost:
+    """Runs on the node Ray chose, for one server: starts it, keeps its log, stops it.
+    Methods are called one at a time (a threaded actor of one)."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.dir = Path(tempfile.gettempdir()) / "decodebench"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.dir / f"{worker_id}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.meter: EnergyMeter | None = None
+
+    def where(self) -> dict[str, Any]:
+        """The node, its address, the GPUs Ray gave this actor, and where the bundled tiny
+        model can be written."""
+        context = ray.get_runtime_context()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        return {"id": context.get_node_id(), "address": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+                "gpu_ids": gpu_ids, "models_dir": str(self.dir / "models")}
+
+    def free_port(self, address: str) -> int:
+        """A port free on this node's address now."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+            return int(s.getsockname()[1])
+
+    def start(self, argv: list[str], env: dict[str, str], tensor_parallel_size: int,
+              on_cpu: bool, log_max_bytes: int, bundled: tuple[str, int | None] | None) -> dict[str, Any]:
+        """Start the server as a process group of its own; its pid and, on a CPU, the
+        binding variables it got. ``bundled``: the bundled model (name, layers) to write
+        on this node first."""
+        if bundled is not None:
+            ensure_bundled(self.dir / "models", *bundled)
+        full = dict(os.environ)
+        full.update(env)
+        full[WORKER_ENV] = self.worker_id
+        chosen: dict[str, str] | None = None
+        if on_cpu:
+            chosen = binding_env(tensor_parallel_size, full)
+            full.update(chosen)
+        # On a GPU node Ray set CUDA_VISIBLE_DEVICES of this process to the GPUs it holds.
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=full, cwd=str(self.dir), process_group=0, preexec_fn=_die_with_parent,
+        )
+        assert self.process.stdout is not None
+        threading.Thread(target=drain_to_capped_file,
+                         args=(self.process.stdout, self.log_path, log_max_bytes),
+                         name=f"log-{self.worker_id}", daemon=True).start()
+        return {"pid": self.process.pid, "log_path": str(self.log_path),
+                "cpu_binding": {"env": chosen} if chosen is not None else None}
+
+    def poll(self) -> int | None:
+        """The server's exit code once it has ended, else None."""
+        return None if self.process is None else self.process.poll()
+
+    def tail(self) -> str:
+        """The last lines of the server's log."""
+        return log_tail(self.log_path)
+
+    def head(self) -> str:
+        """The first part of the server's log (what vLLM said while it started)."""
+        return log_head(self.log_path)
+
+    def energy_start(self, gpu_ids: list[str]) -> None:
+        """Start reading the energy and clocks of this node's GPUs ``gpu_ids`` (NVML), or of
+        its CPU packages without GPUs, beside the server (``service.control.energy``)."""
+        self.meter = EnergyMeter.on_this_host(gpu_ids)
+        self.meter.start()
+
+    def energy_stop(self) -> dict[str, Any]:
+        """Stop reading; what was read (``EnergyMeter.state``)."""
+        if self.meter is None:
+            return EnergyMeter(None, "the meter on the node was never started").state()
+        self.meter.stop()
+        return self.meter.state()
+
+    def stop(self, grace_s: float) -> int | None:
+        """Stop the server's process group (SIGTERM, SIGKILL after ``grace_s``)."""
+        if self.process is not None:
+            stop_process_group(self.process, grace_s)
+            return self.process.returncode
+        return None
