@@ -109,8 +109,10 @@ def run_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--ignore-eos", is_flag=True,
                      help="Always on: every request decodes its output length."),
         # decodebench's own.
-        click.option("--mode", type=click.Choice(["fill", "prefill"]), default="fill", show_default=True,
-                     help="fill: the connector writes the KV cache (no prefill); prefill: a real one."),
+        click.option("--mode", type=click.Choice(["fill", "prefill", "seeded"]), default="fill",
+                     show_default=True,
+                     help="fill: the connector writes the KV cache (no prefill); prefill: a real one; "
+                          "seeded: prompts prefilled once, replayed from the prefix cache."),
         click.option("--fill-mean", type=float, default=0.015, show_default=True),
         click.option("--fill-std", type=float, default=0.0, show_default=True),
         click.option("--fill-at-start", is_flag=True,

@@ -19,6 +19,8 @@ FILLED = ("filled: decodebench's KV connector wrote the prompts' KV cache (fill_
           "fill_std={std:g}) instead of computing a prefill; TTFT and throughputs include no "
           "real prefill and are not comparable with a vllm bench serve run that prefilled")
 PREFILLED = "real: vLLM computed every prompt's prefill (decodebench mode prefill)"
+SEEDED = ("real: vLLM prefilled every prompt once in an unmeasured seeding pass and the measured "
+          "requests found it in its prefix cache (decodebench mode seeded)")
 
 
 
@@ -99,6 +101,8 @@ EXPORT_ENGINE_KEYS = ("dtype", "max_model_len", "tensor_parallel_size", "gpu_mem
 
 def prefill_note(spec: Mapping[str, Any]) -> str:
     """How the run's prompts got their KV cache, in words a reader of the numbers needs."""
+    if spec.get("mode", "fill") == "seeded":
+        return SEEDED
     if spec.get("mode", "fill") != "fill":
         return PREFILLED
     fill = spec.get("fill") or {}
