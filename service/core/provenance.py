@@ -47,6 +47,8 @@ def snapshot(
         "fill": ({"mean": fill.get("mean"), "std": fill.get("std"), "startup": bool(fill.get("startup"))}
                  if mode == "fill" else None),
         "prefill": prefill_note(spec),
+        # Speculative decoding as the run asked vLLM for it (synthetic acceptance included).
+        "speculative": (spec.get("engine") or {}).get("speculative"),
         "load_format": load_format,
         "weights": "dummy (random values)" if load_format == "dummy" else "real",
         "kv_cache_tokens": kv_tokens if kv_tokens is not None else kv.get("tokens"),
