@@ -142,7 +142,8 @@ def test_the_seeding_pass_sends_the_prompts_the_run_measures() -> None:
     ({"engine": {"extra_args": ["--no-enable-prefix-caching"]}}, "--no-enable-prefix-caching"),
     ({"fill": {"startup": True}}, "leave fill.startup false"),
 ])
-def test_seeded_with_incompatible_options_is_422(client: TestClient, body: dict[str, Any], words: str) -> None:
+def test_seeded_with_incompatible_options_is_422(client: TestClient, body: dict[str, Any],
+                                                  words: str) -> None:
     response = client.post("/api/runs", json={"mode": "seeded", "input_len": 64, **body})
     assert response.status_code == 422
     assert words in json.dumps(response.json()["detail"])
