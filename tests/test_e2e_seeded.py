@@ -71,6 +71,9 @@ def test_every_measured_request_hits_its_whole_prompt_but_the_last_block(
     assert "foreign_prefix_hits" not in {w["code"] for w in first_seeded["warnings"]}
     page = service.get(f"/runs/{first_seeded['id']}").text
     assert "Seeding" in page and "every measured request" in page
+    # The tiny model is a dense Llama: a dummy fill would have been neutral for it.
+    assert first_seeded["summary"]["fill_neutrality"] == {"neutral": True, "reasons": []}
+    assert "Dummy KV fill for this model: <strong>neutral</strong>" in page
 
 
 def test_a_second_run_of_the_same_point_reuses_the_seed_set(
