@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from service.load.generator import make_plan
 from service.storage import store, sweeps
 from service.storage.db import make_engine
 from service.web.sweep_view import sweep_public
+from tests.conftest import wait_finished
 
 # ------------------------------------------------------------------ the arithmetic
 
@@ -236,3 +238,25 @@ def test_until_decided_over_prefill_and_seeded_is_422(client: TestClient) -> Non
     assert response.status_code == 422
     assert 'mode over [\\"fill\\", \\"prefill\\"] or [\\"fill\\", \\"seeded\\"]' in json.dumps(
         response.json()["detail"])
+
+
+# ------------------------------------------------------------------ through the service
+
+
+def test_a_seeded_run_without_the_servers_counters_fails_unproven(
+        stub_service: Callable[..., TestClient]) -> None:
+    # The stub server streams like vLLM but keeps no prefix cache counters.
+    client = stub_service()
+    run_id = client.post("/api/runs", json={"mode": "seeded", "input_len": 64, "output_len": 4,
+                                            "num_prompts": 4, "max_concurrency": 2}).json()["id"]
+    run = wait_finished(client, run_id)
+    assert run["status"] == "failed"
+    assert "gave no prefix-cache counters" in run["error"] and "not counted" in run["error"]
+    seeding_done = run["summary"]["seeding"]
+    assert seeding_done["prompts"] == 4 and seeding_done["seconds"] > 0
+    assert seeding_done["proven"] is False and seeding_done["reused"] is None
+    # The connector left the seeding and the measured requests to vLLM.
+    assert run["connector"]["prefill_requests"] == 8 and run["connector"]["filled_requests"] == 0
+    page = client.get(f"/runs/{run_id}").text
+    assert "<h2>Seeding</h2>" in page and "<strong>Not proven</strong>" in page
+    assert run["provenance"]["prefill"].startswith("real: vLLM prefilled every prompt once")
