@@ -123,6 +123,9 @@ class SpeculativeSpec(Strict):
     method: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
     model: str | None = Field(default=None, min_length=1, max_length=512)
     num_speculative_tokens: Int = Field(ge=1, le=64)
+    # n-gram lookup window (method "ngram"); vLLM's defaults when None.
+    prompt_lookup_max: Int | None = Field(default=None, ge=1, le=1024)
+    prompt_lookup_min: Int | None = Field(default=None, ge=1, le=1024)
     rejection_sample_method: Literal["standard", "synthetic", "block"] | None = None
     synthetic_acceptance_length: float | None = Field(default=None, ge=1.0, le=65.0, allow_inf_nan=False)
     synthetic_acceptance_rates: list[Rate01] | None = Field(default=None, min_length=1, max_length=64)
