@@ -19,6 +19,7 @@ from service.analysis import seeding
 from service.analysis.neutrality import fill_neutrality, fill_not_neutral
 from service.control.vllm_cli import engine_flags
 from service.core import shapes
+from service.core.capacity import CapacityCreate, probe_spec
 from service.core.spec import EngineSpec, RunSpec
 from service.core.status import RunStatus
 from service.core.sweep import SweepCreate
@@ -53,8 +54,8 @@ def test_a_seed_set_that_does_not_fit_is_refused_with_the_arithmetic() -> None:
     fit = seeding.fit(kv_tokens=8_000, block=16, input_lens=[4096, 4096], output_lens=[16, 16])
     problem = fit.problem()
     assert problem is not None
-    assert problem.startswith("the seed set does not fit: the KV cache holds 8,000 tokens; the "
-                              "seed set needs 8,192 (2 prompts")
+    assert problem.startswith("infeasible: the seed set does not fit: the KV cache holds 8,000 "
+                              "tokens; the seed set needs 8,192 (2 prompts")
     assert f"another {fit.fresh:,}" in problem and f"{fit.needed:,} in all" in problem
 
 
@@ -260,3 +261,23 @@ def test_a_seeded_run_without_the_servers_counters_fails_unproven(
     page = client.get(f"/runs/{run_id}").text
     assert "<h2>Seeding</h2>" in page and "<strong>Not proven</strong>" in page
     assert run["provenance"]["prefill"].startswith("real: vLLM prefilled every prompt once")
+
+
+# ------------------------------------------------------------------ capacity searches
+
+
+def test_a_seeded_capacity_search_probes_with_one_seed_set_per_trial() -> None:
+    body = CapacityCreate.model_validate({
+        "base": {"mode": "seeded", "output_len": 8}, "input_lens": [4096],
+        "sla": {"metric": "decode_median_itl_ms", "max_ms": 50}})
+    low, high = probe_spec(body.base, 4096, 1, 0), probe_spec(body.base, 4096, 8, 0)
+    assert low.mode == high.mode == "seeded"
+    # The probe at 8 sends more prompts, and its seed set starts with the probe at 1's.
+    assert high.num_prompts > low.num_prompts
+    assert low.seed_set_salt() == high.seed_set_salt() != probe_spec(body.base, 4096, 8, 1).seed_set_salt()
+    # A seed set that does not fit refuses the probe as the KV arithmetic does: a bound.
+    problem = seeding.fit(1000, 16, [4096], [8]).problem()
+    assert problem is not None and problem.startswith("infeasible")
+    with pytest.raises(ValueError, match=r'base\.mode must be "fill" or "seeded"'):
+        CapacityCreate.model_validate({"base": {"mode": "prefill"}, "input_lens": [4096],
+                                       "sla": {"metric": "decode_median_itl_ms", "max_ms": 50}})

@@ -59,7 +59,8 @@ class Fit:
         """Why the seed set cannot stay cached through the measured requests, or None."""
         if self.needed <= self.kv_tokens:
             return None
-        return (f"the seed set does not fit: the KV cache holds {self.kv_tokens:,} tokens; the "
+        # "infeasible" like ``checks.infeasible``: a capacity search reads it as a bound.
+        return (f"infeasible: the seed set does not fit: the KV cache holds {self.kv_tokens:,} tokens; the "
                 f"seed set needs {self.seed_set:,} ({self.prompts} prompts, their full "
                 f"{self.block}-token blocks) and the measured requests another {self.fresh:,} "
                 f"(each one's last prompt block and its output, in fresh blocks), "
