@@ -203,7 +203,7 @@ def parse_answer(body: bytes) -> FillParams:
     mode = data.get("mode")
     mean = data.get("mean")
     std = data.get("std")
-    if mode not in ("fill", "prefill"):
+    if mode not in ("fill", "prefill", "seeded"):
         raise PullError(f"bad mode {mode!r}")
     for name, value in (("mean", mean), ("std", std)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -3,8 +3,8 @@
 Builds on vLLM's ``DecodeBenchConnectorScheduler``, which already selects the
 right blocks per KV cache group (prefix-cache hits, null blocks, circular
 buffers). What we add: the run id in a request's ``kv_transfer_params`` picks
-that run's parameters, pulled from the service; ``prefill`` runs claim no
-tokens; and each request's values travel to the worker side in the metadata.
+that run's parameters, pulled from the service; ``prefill`` and ``seeded`` runs
+claim no tokens; and each request's values travel to the worker side in the metadata.
 
 A tagged request is never decided on values other than its run's. While the
 run's pull is in flight, ``get_num_new_matched_tokens`` answers ``None`` (vLLM
@@ -16,7 +16,7 @@ the request is not filled: vLLM prefills it, and the run is reported as
 Per run, every admitted request lands in exactly one of these counters:
 
 - ``filled_requests``: filled with the run's values (mode ``fill``);
-- ``prefill_requests``: left to vLLM's prefill (mode ``prefill``);
+- ``prefill_requests``: left to vLLM's prefill or prefix cache (modes ``prefill``, ``seeded``);
 - ``cached_requests``: nothing to fill, its prompt was in the run's own prefix
   cache (the run's ``cache_salt`` keeps other runs' blocks out);
 - ``unresolved_requests``: the run's values could not be had; prefilled;
@@ -155,7 +155,9 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         if params.mode == "unresolved":
             counts["unresolved_requests"] = 1
             self.reporter.note(run_id, params.error)
-        elif params.mode == "prefill":
+        elif params.mode in ("prefill", "seeded"):
+            # A seeded run's prompts come from vLLM's prefix cache (or its prefill while
+            # seeding): the connector leaves them to vLLM.
             counts["prefill_requests"] = 1
         elif num_external_tokens > 0:
             counts["filled_requests"] = 1

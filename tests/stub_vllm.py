@@ -157,7 +157,8 @@ class Connector:
         mode = self.modes[run_id]
         counts = self.counters.setdefault(run_id, {"requests_seen": 0})
         counts["requests_seen"] += 1
-        key = {"fill": "filled_requests", "prefill": "prefill_requests"}.get(mode, "unresolved_requests")
+        key = {"fill": "filled_requests", "prefill": "prefill_requests",
+               "seeded": "prefill_requests"}.get(mode, "unresolved_requests")
         counts[key] = counts.get(key, 0) + 1
 
     async def report(self) -> None:

@@ -43,7 +43,7 @@ def test_sweep_makes_one_run_per_point_and_they_share_a_worker(client: TestClien
         ({"input_len": list(range(1, 20)), "output_len": list(range(1, 20))}, "cap of 256"),
         ({"input_len": [8, -1]}, "greater than or equal to 1"),
         ({"input_len": [130_000], "output_len": [60_000]}, "grid point"),
-        ({"mode": ["fill", "magic"]}, "'fill' or 'prefill'"),
+        ({"mode": ["fill", "magic"]}, "'fill', 'prefill' or 'seeded'"),
         ({}, "sweeps nothing"),
     ],
 )

@@ -133,8 +133,8 @@ def connector_verdict(totals: Mapping[str, Any] | None, mode: str,
         return (f"{other} of {seen} requests were not treated as mode {mode!r} says (neither "
                 f"filled with this run's values nor prefilled as asked): {reason}"), []
     filled = int(totals.get("filled_requests", 0))
-    if mode == "prefill" and (filled or int(totals.get("requests_filled", 0))):
-        return f"{filled} requests of a prefill run were filled by the connector", []
+    if mode in ("prefill", "seeded") and (filled or int(totals.get("requests_filled", 0))):
+        return f"{filled} requests of a {mode} run were filled by the connector", []
     warnings: list[Warning_] = []
     if seen < sent:
         warnings.append(_warn(
@@ -162,8 +162,9 @@ def in_flight(samples: Sequence[Sample], at: np.ndarray, decoding: bool = False)
 
 
 def server_warnings(points: Sequence[Point], samples: Sequence[Sample], concurrency: int | None,
-                    recomputed: int = 0) -> list[Warning_]:
-    """Warnings from the server's own view of the run (``points`` cover the run)."""
+                    recomputed: int = 0, replayed: bool = False) -> list[Warning_]:
+    """Warnings from the server's own view of the run (``points`` cover the run);
+    ``replayed``: a seeded run, whose prompts are meant to hit the prefix cache."""
     warnings: list[Warning_] = []
     preemptions = counter_delta(points, PREEMPTIONS)
     if (preemptions or 0) > 0 or recomputed > 0:
@@ -180,7 +181,7 @@ def server_warnings(points: Sequence[Point], samples: Sequence[Sample], concurre
             "kv_near_full", f"KV cache usage reached {peak:.1%} (over {KV_NEAR_FULL:.0%}): the "
             "server was at the edge of preempting or queueing requests", round(peak, 4)))
     hits = counter_delta(points, PREFIX_HITS)
-    if hits and not preemptions and not recomputed:
+    if hits and not preemptions and not recomputed and not replayed:
         warnings.append(_warn(
             "foreign_prefix_hits",
             f"{int(hits):,} prompt tokens were served from the prefix cache, and no prompt of "

@@ -113,6 +113,7 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
                            for c in changes if c.get("log_sd") is not None]) or PRIOR_LOG_SD
     out = []
     for point, fill, prefill, changes, n_pairs in computed:
+        against = str(prefill.spec.get("mode", "prefill"))
         one_pair = len(fill.ok) == 1 and len(prefill.ok) == 1
         # Without a between-run component (a bootstrap over requests) nothing is decided.
         by_requests = one_pair or any(c["method"] == BOOTSTRAP for c in changes)
@@ -146,10 +147,12 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
                      else f"; until decided: stopped{f' ({stopped})' if stopped else ''} at look "
                      f"{rule.reached(n_pairs)} of {len(rule.counts)} ({100 * confidence:.3g}% per "
                      "look, Bonferroni)")
-        details = "; ".join(f"{c['metric']} fill/prefill {_ratio_text(c)}"
+        details = "; ".join(f"{c['metric']} fill/{against} {_ratio_text(c)}"
                             + (f" ({c['method']})" if c["ci"] else "") for c in changes)
         lo, hi = MATCH_BAND
-        out.append({"point": point, "fill": fill.id, "prefill": prefill.id, "verdict": verdict,
+        # ``prefill``: the arm fill is compared with, real prefill or seeded (``against``).
+        out.append({"point": point, "fill": fill.id, "prefill": prefill.id, "against": against,
+                    "verdict": verdict,
                     "pairs": n_pairs, "one_pair": one_pair, **state, "line": line,
                     "message": f"{line}. Fill matches when every interval lies within [{lo}, {hi}]: "
                                f"{details}",
@@ -203,7 +206,8 @@ def finished_pairs(grid_keys: Sequence[str], points: Sequence[dict[str, Any]],
     for p, arm in zip(points, arms, strict=True):
         by_point.setdefault(tuple(p["point"][k] for k in others), {})[p["point"]["mode"]] = arm
     for values, modes in by_point.items():
-        fill, prefill = modes.get("fill"), modes.get("prefill")
+        # Fill against real prefill, or against seeded (decode on real KV from the prefix cache).
+        fill, prefill = modes.get("fill"), modes.get("prefill") or modes.get("seeded")
         if fill and prefill and fill.finished and prefill.finished and fill.ok and prefill.ok:
             pairs.append((dict(zip(others, values, strict=True)), fill, prefill))
     return pairs

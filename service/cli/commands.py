@@ -109,8 +109,10 @@ def run_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--ignore-eos", is_flag=True,
                      help="Always on: every request decodes its output length."),
         # decodebench's own.
-        click.option("--mode", type=click.Choice(["fill", "prefill"]), default="fill", show_default=True,
-                     help="fill: the connector writes the KV cache (no prefill); prefill: a real one."),
+        click.option("--mode", type=click.Choice(["fill", "prefill", "seeded"]), default="fill",
+                     show_default=True,
+                     help="fill: the connector writes the KV cache (no prefill); prefill: a real one; "
+                          "seeded: prompts prefilled once, replayed from the prefix cache."),
         click.option("--fill-mean", type=float, default=0.015, show_default=True),
         click.option("--fill-std", type=float, default=0.0, show_default=True),
         click.option("--fill-at-start", is_flag=True,
@@ -258,7 +260,7 @@ GRID = (("input_len", "--input-len", int), ("output_len", "--output-len", int),
 @click.option("--output-len", help="Comma-separated output lengths.")
 @click.option("--max-concurrency", help="Comma-separated concurrency limits (none: no limit).")
 @click.option("--request-rate", help="Comma-separated request rates (inf: all at once).")
-@click.option("--mode", help="fill, prefill or fill,prefill.")
+@click.option("--mode", help="fill, prefill, seeded, fill,prefill or fill,seeded.")
 @click.option("--fill-mean", help="Comma-separated fill means.")
 @click.option("--fill-std", help="Comma-separated fill standard deviations.")
 @click.option("--model", default="decodebench-tiny", show_default=True)
@@ -271,7 +273,8 @@ GRID = (("input_len", "--input-len", int), ("output_len", "--output-len", int),
 @click.option("--max-model-len", type=click.IntRange(16), default=None)
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
 @click.option("--until-decided", type=click.IntRange(2), default=None, metavar="MAX_PAIRS",
-              help="Run fill/prefill pairs until every point is decided or MAX_PAIRS are spent.")
+              help="Run fill/prefill (or fill/seeded) pairs until every point is decided or "
+                   "MAX_PAIRS are spent.")
 @click.option("--no-wait", is_flag=True, help="Submit and print the sweep's id, without following it.")
 @click.pass_context
 def sweep(ctx: click.Context, /, **values: Any) -> None:

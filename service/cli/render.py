@@ -77,7 +77,8 @@ def decodebench_lines(run: Mapping[str, Any], url: str) -> list[str]:
     spec = run["spec"]
     summary = run.get("summary") or {}
     how = ("KV cache filled by the connector (no prefill)" if spec.get("mode") == "fill"
-           else "KV cache from a real prefill")
+           else "KV cache from a real prefill, done once and replayed from the prefix cache"
+           if spec.get("mode") == "seeded" else "KV cache from a real prefill")
     lines = ["{s:{c}^{n}}".format(s=" decodebench ", n=50, c="-"),
              _line("Run:", run["id"], False),
              _line("Status:", run["status"], False),

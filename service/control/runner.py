@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
+from service.analysis import seeding
 from service.analysis.bursts import run_warnings
 from service.analysis.checks import (
     Point,
@@ -32,6 +33,7 @@ from service.analysis.checks import (
     server_warnings,
 )
 from service.analysis.metrics import summarize
+from service.analysis.neutrality import fill_neutrality, fill_not_neutral
 from service.analysis.roofline import roofline
 from service.analysis.running_decode import RunningDecode
 from service.analysis.server_metrics import Point as ScrapedPoint
@@ -44,12 +46,13 @@ from service.control import hub, provenance
 from service.control.energy import EnergyMeter, energy_warnings
 from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
-from service.control.vllm_cli import local_model_config
+from service.control.vllm_cli import cache_config, local_model_config
 from service.control.watchdog import Watchdog, stall_limit, still_serves
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import RunStatus
+from service.load.generator import make_plan
 from service.load.shards import DriverError
 from service.settings import Settings
 from service.storage import measurements, store
@@ -132,6 +135,9 @@ class Runner:
         self.watchdog: Watchdog | None = None
         # The server's energy and clocks while the run is measured (``service.control.energy``).
         self.meter: EnergyMeter | None = None
+        # A seeded run's seed set against its server's KV cache, and its seeding pass.
+        self.fit: seeding.Fit | None = None
+        self.seeding: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ messages
 
@@ -275,6 +281,8 @@ class Runner:
         # sent, and the server stays, idle, for runs it fits.
         reason = too_long(spec, handle) or infeasible(batch or 1, spec.longest_request_tokens(),
                                                       handle.kv_tokens)
+        if reason is None and spec.mode == "seeded":
+            reason = await self._seed_set_problem(handle)
         load_format = effective_load_format(spec.model, spec.engine.load_format)
         facts = provenance.service_facts()
 
@@ -286,6 +294,8 @@ class Runner:
             raise RunFailed(reason)
         if not began:
             return
+        if spec.mode == "seeded":
+            self.seeding = await self._seed(handle)
         duration, sent, rule = await self._measure(handle)
         # Every answered request saved now: the waits below (the connector's account, the
         # summary) take seconds, during which progress must be right and a crash lose nothing.
@@ -323,14 +333,79 @@ class Runner:
         # Only a run whose requests came back is judged on the connector's account (a dead
         # or failing server has its own, clearer reason above).
         answered = len(ok) + self.spec.warmup_prompts
-        totals = await self._connector_totals(answered)
-        failure, warnings = connector_verdict(totals, self.spec.mode, answered)
+        seeded = self.seeding["prompts"] if self.seeding is not None else 0
+        totals = await self._connector_totals(answered + seeded)
+        failure, warnings = connector_verdict(totals, self.spec.mode, answered + seeded)
+        if failure is None and self.seeding is not None:
+            failure = self._replay_problem(summary)
         if failure is not None:
             await self._end(RunStatus.failed, failure, summary=summary)
             return
         recomputed = int(totals.get("recomputed_requests", 0))
         warnings += await asyncio.to_thread(self._warnings, summary, batch, recomputed)
         await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings)
+
+    async def _seed_set_problem(self, handle: WorkerHandle) -> str | None:
+        """Why a seeded run's seed set cannot stay in its server's KV cache through the
+        measured requests (``seeding.Fit``), or why it cannot be seeded at all."""
+        info = await cache_config(self.fleet.client, handle.url)
+        if info.get("enable_prefix_caching") == "False":
+            return ("mode \"seeded\" needs vLLM's prefix cache, and this server runs without it "
+                    "(enable_prefix_caching False)")
+        try:
+            block, blocks = int(info["block_size"]), int(info["num_gpu_blocks"])
+        except (KeyError, ValueError):
+            return ("mode \"seeded\" needs the server's block size and KV cache size "
+                    "(vllm:cache_config_info on its /metrics), and it did not give them")
+        plan = make_plan(self.spec.model_copy(update={"num_prompts": self.spec.prompt_budget()}),
+                         handle.vocab_size)
+        lens = [int(n) for n in plan.input_lens]
+        if max(lens) <= block:
+            return (f"mode \"seeded\" replays whole {block}-token blocks of each prompt from the "
+                    f"prefix cache, and no prompt of this run is longer than one block: raise input_len")
+        self.fit = seeding.fit(handle.kv_tokens or blocks * block, block, lens,
+                               [int(n) for n in plan.output_lens])
+        return self.fit.problem()
+
+    async def _seed(self, handle: WorkerHandle) -> dict[str, Any]:
+        """The seeding pass: every prompt of the run once, one output token each, not
+        measured; what it took and whether the seed set was already cached (the server's
+        prefix-cache counters around it)."""
+        assert self.fit is not None
+        spec = self.spec.seeding_spec()
+        scraper = Scraper(self.fleet.client, handle.url)
+        before = await scraper.scrape()
+        drivers = self.fleet.drivers_for(self.run_id, spec, handle)
+        samples: list[Sample] = []
+        began = time.perf_counter()
+        await drivers.run(samples.append)
+        seconds = time.perf_counter() - began
+        after = await scraper.scrape()
+        failed = [s for s in samples if not s.success]
+        if failed or len(samples) < spec.num_prompts:
+            first = next((s.error for s in failed if s.error), "no answer")
+            raise RunFailed(f"seeding failed: {len(failed)} of {spec.num_prompts} prompts were not "
+                            f"prefilled (first error: {first})")
+        lens = [s.prompt_len for s in sorted(samples, key=lambda s: s.index)]
+        return seeding.seeding_record(
+            seconds, self.fit.block, lens,
+            seeding.counters(before.values if before else None, after.values if after else None),
+            self.spec.seed_set_salt() or "")
+
+    def _replay_problem(self, summary: dict[str, Any]) -> str | None:
+        """The proof that every measured request of a seeded run decoded on the seed set's
+        KV (``seeding.replay_problem``), kept in the summary's ``seeding`` with the seeding
+        pass; the reason the run fails when it does not hold."""
+        assert self.seeding is not None and self.fit is not None
+        warmups = make_plan(self.spec, self.handle.vocab_size if self.handle else None).input_lens
+        lengths = [int(n) for n in warmups[:self.spec.warmup_prompts]] + [s.prompt_len for s in self.samples]
+        first, last = seeding.replay_point(self.points)
+        problem, figures = seeding.replay_problem(seeding.counters(first, last), self.fit.block,
+                                                  lengths, self.fit)
+        summary["seeding"] = {**self.seeding, "kv_cache_tokens": self.fit.kv_tokens,
+                              "seed_set_tokens": self.fit.seed_set, "fresh_tokens": self.fit.fresh,
+                              "measured": figures, "proven": problem is None}
+        return problem
 
     def _summary(self, duration: float) -> dict[str, Any]:
         """vLLM's summary keys and, beside them, each latency statistic's 95% interval over
@@ -349,18 +424,28 @@ class Runner:
         if self.meter is not None:
             tokens = summary.get("total_output_tokens")
             summary["energy"] = self.meter.result(tokens if isinstance(tokens, int) else 0)
+        summary["fill_neutrality"] = self._neutrality()
         return summary
+
+    def _neutrality(self) -> dict[str, Any]:
+        """Whether a dummy fill is neutral for the run's model and engine (file reads)."""
+        spec = self.spec
+        speculative = spec.engine.speculative
+        return fill_neutrality(local_model_config(self.settings, spec.model, spec.engine.num_layers),
+                               speculative.vllm_config() if speculative is not None else None)
 
     def _warnings(self, summary: dict[str, Any], batch: int | None, recomputed: int) -> list[dict[str, Any]]:
         """What the run's numbers should be read with. CPU and file work: called in a thread."""
         spec = self.spec
         return [
             *run_warnings(self.samples, summary),
-            *server_warnings(self.points, self.samples, batch, recomputed=recomputed),
+            *server_warnings(self.points, self.samples, batch, recomputed=recomputed,
+                             replayed=spec.mode == "seeded"),
             *client_warnings(self.samples, self.beats, spec.request_rate is not None),
             *dummy_moe(effective_load_format(spec.model, spec.engine.load_format),
                        local_model_config(self.settings, spec.model, spec.engine.num_layers)),
             *energy_warnings(summary.get("energy")),
+            *fill_not_neutral(spec.mode, summary.get("fill_neutrality") or {}),
         ]
 
     async def _connector_totals(self, answered: int) -> dict[str, Any]:

@@ -82,6 +82,8 @@ def engine_flags(model: str, engine: EngineSpec, on_cpu: bool) -> list[str]:
     flags += ["--max-model-len", str(engine.max_model_len) if engine.max_model_len is not None else AUTO_FIT]
     if effective_load_format(model, engine.load_format) == "dummy":
         flags += ["--load-format", "dummy"]
+    if engine.speculative is not None:
+        flags += ["--speculative-config", json.dumps(engine.speculative.vllm_config(), separators=(",", ":"))]
     if on_cpu:
         flags += ["--enforce-eager"]
         flags += shape_cpu_flags(model, engine.extra_args)
@@ -136,6 +138,19 @@ def worker_argv(settings: Settings, spec: RunSpec, port: int, token: str, gpus: 
         *engine_flags(spec.model, spec.engine, on_cpu=not gpus),
     ]  # fmt: skip
     return argv, model_path
+
+
+async def cache_config(client: httpx.AsyncClient, url: str) -> dict[str, str]:
+    """The labels of vLLM's ``vllm:cache_config_info`` metric (its ``CacheConfig``:
+    ``block_size``, ``num_gpu_blocks``, ``enable_prefix_caching``, ...); {} without them."""
+    try:
+        text = (await client.get(f"{url}/metrics", timeout=10.0)).text
+    except httpx.HTTPError:
+        return {}
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            return dict(_LABEL.findall(line))
+    return {}
 
 
 async def kv_capacity(client: httpx.AsyncClient, url: str) -> int | None:

@@ -70,8 +70,8 @@ class CapacityCreate(Strict):
         if owned:
             raise ValueError(f"base sets {', '.join(owned)}, which the search sets on each probe "
                              f"(it sets {', '.join(PROBE_FIELDS)}): leave them out")
-        if base.mode != "fill":
-            raise ValueError('a probe is a fill run: base.mode must be "fill"')
+        if base.mode not in ("fill", "seeded"):
+            raise ValueError('a probe is a fill run or a seeded one: base.mode must be "fill" or "seeded"')
         return base
 
     @field_validator("input_lens")
@@ -112,7 +112,9 @@ def probe_prompts(concurrency: int) -> int:
 
 def probe_spec(base: RunSpec | Mapping[str, Any], input_len: int, concurrency: int, trial: int,
                stored: bool = False) -> RunSpec:
-    """The fill run of trial ``trial`` (seed ``base.seed + trial``) of the probe at
+    """The fill run (seeded, when ``base.mode`` says so: trial ``k`` of every probe of an
+    input length shares one seed set, so each probe seeds only the prompts the ones before it
+    did not) of trial ``trial`` (seed ``base.seed + trial``) of the probe at
     ``concurrency`` requests in flight and ``input_len``; ``base``: a spec, or one as a
     search stores it (without the fields a probe sets); ``stored``: checked as a spec read
     back from the database (no look at the filesystem). A ValueError if it is no valid run."""
@@ -120,5 +122,6 @@ def probe_spec(base: RunSpec | Mapping[str, Any], input_len: int, concurrency: i
     seed = int(data.get("seed", 0))
     data.update(input_len=input_len, max_concurrency=concurrency,
                 num_prompts=probe_prompts(concurrency), request_rate=None, ramp_up=None,
-                repeats=1, stop=None, mode="fill", seed=(seed + trial) % 2**32)
+                repeats=1, stop=None, mode="seeded" if data.get("mode") == "seeded" else "fill",
+                seed=(seed + trial) % 2**32)
     return RunSpec.stored(data) if stored else RunSpec.model_validate(data)

@@ -181,6 +181,6 @@ class FillAnswer(BaseModel):
     """What the connector pulls for one run."""
 
     run_id: str
-    mode: Literal["fill", "prefill"]
+    mode: Literal["fill", "prefill", "seeded"]
     mean: float
     std: float

@@ -19,6 +19,8 @@ FILLED = ("filled: decodebench's KV connector wrote the prompts' KV cache (fill_
           "fill_std={std:g}) instead of computing a prefill; TTFT and throughputs include no "
           "real prefill and are not comparable with a vllm bench serve run that prefilled")
 PREFILLED = "real: vLLM computed every prompt's prefill (decodebench mode prefill)"
+SEEDED = ("real: vLLM prefilled every prompt once in an unmeasured seeding pass and the measured "
+          "requests found it in its prefix cache (decodebench mode seeded)")
 
 
 
@@ -45,6 +47,8 @@ def snapshot(
         "fill": ({"mean": fill.get("mean"), "std": fill.get("std"), "startup": bool(fill.get("startup"))}
                  if mode == "fill" else None),
         "prefill": prefill_note(spec),
+        # Speculative decoding as the run asked vLLM for it (synthetic acceptance included).
+        "speculative": (spec.get("engine") or {}).get("speculative"),
         "load_format": load_format,
         "weights": "dummy (random values)" if load_format == "dummy" else "real",
         "kv_cache_tokens": kv_tokens if kv_tokens is not None else kv.get("tokens"),
@@ -99,6 +103,8 @@ EXPORT_ENGINE_KEYS = ("dtype", "max_model_len", "tensor_parallel_size", "gpu_mem
 
 def prefill_note(spec: Mapping[str, Any]) -> str:
     """How the run's prompts got their KV cache, in words a reader of the numbers needs."""
+    if spec.get("mode", "fill") == "seeded":
+        return SEEDED
     if spec.get("mode", "fill") != "fill":
         return PREFILLED
     fill = spec.get("fill") or {}

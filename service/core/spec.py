@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -110,6 +111,57 @@ def _check_extra_arg(arg: str) -> str:
     return f"{name}={value}"
 
 
+Rate01 = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class SpeculativeSpec(Strict):
+    """Speculative decoding, passed to vLLM as ``--speculative-config`` (vLLM 0.32's
+    ``SpeculativeConfig`` names). A dummy KV fill changes what the model predicts and so
+    the drafts it accepts; ``rejection_sample_method: "synthetic"`` with an acceptance
+    length or per-position rates makes acceptance a set figure instead."""
+
+    method: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    num_speculative_tokens: Int = Field(ge=1, le=64)
+    # n-gram lookup window (method "ngram"); vLLM's defaults when None.
+    prompt_lookup_max: Int | None = Field(default=None, ge=1, le=1024)
+    prompt_lookup_min: Int | None = Field(default=None, ge=1, le=1024)
+    rejection_sample_method: Literal["standard", "synthetic", "block"] | None = None
+    synthetic_acceptance_length: float | None = Field(default=None, ge=1.0, le=65.0, allow_inf_nan=False)
+    synthetic_acceptance_rates: list[Rate01] | None = Field(default=None, min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _synthetic(self) -> SpeculativeSpec:
+        if self.method is None and self.model is None:
+            raise ValueError("engine.speculative needs a method (\"ngram\", \"eagle\", \"mtp\", ...) "
+                             "or a draft model")
+        length, rates = self.synthetic_acceptance_length, self.synthetic_acceptance_rates
+        n = self.num_speculative_tokens
+        if self.rejection_sample_method != "synthetic":
+            if length is not None or rates is not None:
+                raise ValueError("engine.speculative.synthetic_acceptance_length and _rates apply only "
+                                 "with rejection_sample_method \"synthetic\"")
+            return self
+        if (length is None) == (rates is None):
+            raise ValueError("rejection_sample_method \"synthetic\" needs exactly one of "
+                             "synthetic_acceptance_length and synthetic_acceptance_rates")
+        if length is not None and length > n + 1:
+            raise ValueError(f"engine.speculative.synthetic_acceptance_length {length:g} must be in "
+                             f"[1, num_speculative_tokens + 1 = {n + 1}]")
+        if rates is not None:
+            if len(rates) != n:
+                raise ValueError(f"engine.speculative.synthetic_acceptance_rates needs one rate per "
+                                 f"speculative token ({n}), got {len(rates)}")
+            if any(b > a for a, b in itertools.pairwise(rates)):
+                raise ValueError("engine.speculative.synthetic_acceptance_rates must not increase "
+                                 "(rate i: the chance the first i+1 drafts are all accepted)")
+        return self
+
+    def vllm_config(self) -> dict[str, Any]:
+        """The ``--speculative-config`` JSON object."""
+        return self.model_dump(exclude_none=True)
+
+
 class EngineSpec(Strict):
     """How the vLLM server is configured; runs with equal engine specs share a server."""
 
@@ -123,6 +175,8 @@ class EngineSpec(Strict):
     load_format: Literal["auto", "dummy"] = "auto"
     # Layers a bundled shape (decodebench-shapes/...) is built with; all when None.
     num_layers: Int | None = Field(default=None, ge=1, le=1024)
+    # Speculative decoding (``--speculative-config``); none when None.
+    speculative: SpeculativeSpec | None = None
 
     @field_validator("extra_args")
     @classmethod
@@ -232,7 +286,10 @@ class RunSpec(Strict):
     request_rate: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
     burstiness: float = Field(default=1.0, gt=0, le=1e3, allow_inf_nan=False)
     warmup_prompts: Int = Field(default=0, ge=0, le=MAX_PROMPTS)
-    mode: Literal["fill", "prefill"] = "fill"
+    # "fill": the connector fills each prompt's KV cache; "prefill": vLLM prefills every
+    # prompt; "seeded": the prompts are prefilled once (unmeasured) and the measured
+    # requests find them in vLLM's prefix cache, decoding on real KV (``seed_set_salt``).
+    mode: Literal["fill", "prefill", "seeded"] = "fill"
     fill: FillSpec = Field(default_factory=FillSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     goodput: GoodputSpec = Field(default_factory=GoodputSpec)
@@ -303,6 +360,20 @@ class RunSpec(Strict):
         if layers > shape.layers:
             raise ValueError(f"engine.num_layers {layers} is more than {self.model}'s {shape.layers} layers")
         shapes.layer_plan(shape, layers)  # too few for the kinds of layers it mixes: a ValueError
+        return self
+
+    @model_validator(mode="after")
+    def _seedable(self) -> RunSpec:
+        if self.mode != "seeded":
+            return self
+        if "--no-enable-prefix-caching" in self.engine.extra_args:
+            raise ValueError(
+                "mode \"seeded\" replays prompts from vLLM's prefix cache: it cannot run with "
+                "--no-enable-prefix-caching in engine.extra_args")
+        if self.fill.startup:
+            raise ValueError(
+                "fill.startup fills the KV cache with dummy values at the server's start; mode "
+                "\"seeded\" measures decode on the KV a real prefill wrote: leave fill.startup false")
         return self
 
     @model_validator(mode="after")
@@ -392,6 +463,25 @@ class RunSpec(Strict):
         """KV cache tokens the longest request of this run needs (prompt plus output)."""
         return self.longest_request().tokens
 
+    def seed_set_salt(self) -> str | None:
+        """The ``cache_salt`` of a seeded run's requests: one per seed set (model, engine,
+        input lengths and seed decide the prompts), so later runs of the same point on the
+        same server find the prompts an earlier one seeded, and no fill run's dummy blocks;
+        None for other modes (each run is salted with its own id)."""
+        if self.mode != "seeded":
+            return None
+        key = json.dumps({"server": self.worker_key(), "input_len": self.input_len,
+                          "range_ratio": self.range_ratio, "seed": self.seed}, sort_keys=True)
+        return "seedset-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+    def seeding_spec(self) -> RunSpec:
+        """The unmeasured seeding pass of a seeded run: every prompt the run may send
+        (warmups and measured, at the same positions, so the same prompts), one output
+        token each, sent as fast as the run's concurrency allows."""
+        return self.model_copy(update={
+            "output_len": 1, "warmup_prompts": 0, "num_prompts": self.warmup_prompts + self.prompt_budget(),
+            "request_rate": None, "ramp_up": None, "stop": None, "repeats": 1})
+
     def worker_key(self) -> str:
         """Runs with equal keys can share one vLLM server."""
         return worker_key(self.model, self.engine, self.fill)
@@ -421,6 +511,8 @@ def point_key(spec: dict[str, Any]) -> str:
         # and a new run's key of the same point stay equal.
         if engine.get("num_layers") is None:
             engine.pop("num_layers", None)
+        if engine.get("speculative") is None:
+            engine.pop("speculative", None)
     if isinstance(fill, dict) and not fill.get("startup"):
         fill = {k: v for k, v in fill.items() if k != "startup"}
     point = {k: spec.get(k) for k in POINT_FIELDS} | {"engine": engine, "fill": fill}
@@ -431,10 +523,12 @@ def point_key(spec: dict[str, Any]) -> str:
 def worker_key(model: str, engine: EngineSpec, fill: FillSpec | None = None) -> str:
     """Runs and servers with equal keys belong together: one model, one engine configuration
     (and, for a server that fills its KV cache at start, one set of fill values)."""
-    config = engine.model_dump(exclude={"load_format", "num_layers"})
+    config = engine.model_dump(exclude={"load_format", "num_layers", "speculative"})
     # Fields added later are in the key only when set, so keys stored before them still match.
     if engine.num_layers is not None:
         config["num_layers"] = engine.num_layers
+    if engine.speculative is not None:
+        config["speculative"] = engine.speculative.vllm_config()
     if fill is not None and fill.startup:
         config["startup_fill"] = {"mean": fill.mean, "std": fill.std}
     # The load format is in the key only where it changes the server: the tiny model loads

@@ -33,7 +33,8 @@ class SweepGrid(Strict):
         default=None, min_length=1, max_length=64)
     request_rate: list[Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)] | None] | None = (
         Field(default=None, min_length=1, max_length=64))
-    mode: list[Literal["fill", "prefill"]] | None = Field(default=None, min_length=1, max_length=2)
+    # Two modes with fill make pairs: fill against prefill, or fill against seeded.
+    mode: list[Literal["fill", "prefill", "seeded"]] | None = Field(default=None, min_length=1, max_length=2)
     fill_mean: list[Annotated[float, Field(ge=-1e4, le=1e4, allow_inf_nan=False)]] | None = Field(
         default=None, min_length=1, max_length=64, alias="fill.mean")
     fill_std: list[Annotated[float, Field(ge=0, le=1e4, allow_inf_nan=False)]] | None = Field(
@@ -67,7 +68,7 @@ class SweepCreate(Strict):
     grid: SweepGrid
     # Trials of every point; the same as ``base.repeats``, which it sets when given.
     repeats: Int | None = Field(default=None, ge=1, le=MAX_REPEATS)
-    # Pairs until every fill/prefill verdict is decided; needs ``mode: [fill, prefill]``.
+    # Pairs until every fill verdict is decided; needs ``mode: [fill, prefill]`` (or seeded).
     until_decided: UntilDecided | None = None
 
     @model_validator(mode="after")
@@ -76,9 +77,9 @@ class SweepCreate(Strict):
         if not axes:
             raise ValueError(f"the grid sweeps nothing; sweepable: {', '.join(SWEEP_KEYS)}")
         if self.until_decided is not None:
-            if sorted(axes.get("mode", [])) != ["fill", "prefill"]:
-                raise ValueError("until_decided runs fill/prefill pairs: the grid must sweep "
-                                 'mode over ["fill", "prefill"]')
+            if sorted(axes.get("mode", [])) not in (["fill", "prefill"], ["fill", "seeded"]):
+                raise ValueError("until_decided runs fill/prefill (or fill/seeded) pairs: the grid "
+                                 'must sweep mode over ["fill", "prefill"] or ["fill", "seeded"]')
             first = max(self.repeats or self.base.repeats, 2)
             if first > self.until_decided.max_pairs:
                 raise ValueError(f"until_decided.max_pairs ({self.until_decided.max_pairs}) is "

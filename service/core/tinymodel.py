@@ -38,6 +38,11 @@ _CONFIG = {
 }
 
 
+def tiny_config() -> dict[str, object]:
+    """The tiny model's config.json."""
+    return dict(_CONFIG)
+
+
 def tokenizer_json(vocab_size: int = VOCAB_SIZE) -> dict[str, object]:
     """A word-level tokenizer of ``vocab_size`` ids: three specials, then ``w<id>`` words."""
     specials = ["<unk>", "<s>", "</s>"]

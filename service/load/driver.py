@@ -73,6 +73,8 @@ class DriverConfig(BaseModel):
     served_model: str
     vocab_size: int | None
     request_timeout_s: float
+    # The requests' ``cache_salt``; None: the run id (a seeded run's: its seed set's).
+    cache_salt: str | None = None
     shard: int = 0
     shards: int = 1
     # A time box: no request is sent later than this after the schedule's start.
@@ -104,7 +106,7 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
     generator = LoadGenerator(
         config.base_url, config.served_model, config.run_id,
         shard_concurrency(spec.max_concurrency, config.shard, config.shards),
-        config.request_timeout_s,
+        config.request_timeout_s, cache_salt=config.cache_salt,
     )
 
     async def beat() -> None:

@@ -2,7 +2,8 @@
 
 Prompts are token ids, so the server sees exactly ``input_len`` tokens. Every
 request is tagged with its run id for the connector and salted with it so no run
-reuses prefix-cache blocks another run filled. Timing follows vLLM's client: the
+reuses prefix-cache blocks another run filled (a seeded run's requests are salted with
+their seed set instead, which later runs of the same point share). Timing follows vLLM's client: the
 clock starts after the concurrency slot is taken, just before the POST; TTFT is
 the first streamed chunk with choices, ITL the gaps between later ones, latency
 ends at the last such chunk.
@@ -221,10 +222,12 @@ class LoadGenerator:
         run_id: str,
         max_concurrency: int | None,
         request_timeout_s: float,
+        cache_salt: str | None = None,
     ) -> None:
         self.url = f"{base_url}/v1/completions"
         self.served_model = served_model
         self.run_id = run_id
+        self.cache_salt = cache_salt or run_id
         self.max_concurrency = max_concurrency
         self.request_timeout_s = request_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -288,7 +291,7 @@ class LoadGenerator:
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "cache_salt": self.run_id,
+            "cache_salt": self.cache_salt,
             "kv_transfer_params": {"decodebench_run_id": self.run_id},
         }).encode()
         blocks = plan.prompt_blocks(position)

@@ -228,7 +228,8 @@ def run_configs(run_id: str, spec: RunSpec, base_url: str, served_model: str,
     return [
         DriverConfig(run_id=run_id, spec=shape, base_url=base_url,
                      served_model=served_model, vocab_size=vocab_size,
-                     request_timeout_s=request_timeout_s, shard=k, shards=n,
+                     request_timeout_s=request_timeout_s, cache_salt=spec.seed_set_salt(),
+                     shard=k, shards=n,
                      duration_s=duration_s)
         for k in range(n)
     ]

@@ -6,8 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from service.core.shapes import catalogue
-from service.core.tinymodel import TINY_MODEL_NAME
+from service.analysis.neutrality import fill_neutrality
+from service.core.shapes import SHAPES, catalogue, shape_config
+from service.core.tinymodel import TINY_MODEL_NAME, tiny_config
 from service.web.deps import READ
 from service.web.errors import ERROR_RESPONSES
 
@@ -16,5 +17,15 @@ router = APIRouter(responses=ERROR_RESPONSES)
 
 @router.get("/api/models", dependencies=READ)
 def list_models() -> dict[str, Any]:
-    """Bundled models a run can name: the tiny model and published architectures' shapes."""
-    return {"tiny": TINY_MODEL_NAME, "shapes": catalogue()}
+    """Bundled models a run can name: the tiny model and published architectures' shapes,
+    each with whether a dummy KV fill is neutral for it (``fill_neutral``; where it is not,
+    ``fill_not_neutral_because`` and mode ``seeded`` as the remedy)."""
+    shapes = []
+    for entry, shape in zip(catalogue(), SHAPES.values(), strict=True):
+        neutrality = fill_neutrality(shape_config(shape, None))
+        shapes.append({**entry, "fill_neutral": neutrality["neutral"],
+                       "fill_not_neutral_because": neutrality["reasons"]})
+    tiny = fill_neutrality(tiny_config())
+    return {"tiny": TINY_MODEL_NAME, "tiny_fill_neutral": tiny["neutral"], "shapes": shapes,
+            "remedy": "mode \"seeded\": prompts prefilled once, decode measured on real KV "
+                      "from the prefix cache"}
