@@ -3,7 +3,12 @@ grows with the streams they run: a known boundary."""
 
 from __future__ import annotations
 
+import io
+import json
+import subprocess
+import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +127,52 @@ def test_a_probe_the_server_capped_is_reported_capped_and_bounds_the_search(stub
     assert (context["max_concurrency"], context["first_failing"]) == (3, None)
     assert context["limited_by"] == "capped" and "the probe at 4 was capped" in context["limit_reason"]
     assert context["decided"] and probes[3]["trials"] == 2
+
+
+def test_the_vllm_sweep_export_is_drawn_by_vllms_plot_pareto_without_the_capped_probe(
+        stub_service: Any, tmp_path: Path) -> None:
+    client = stub_service({**SLOPED, "STUB_MAX_RUNNING": "3"})
+    body = {"base": BASE, "input_lens": [64], "sla": SLA, "max_concurrency": 16}
+    done = wait_search(client, client.post("/api/capacity", json=body).json()["id"])
+    probes = probes_of(done["contexts"][0])
+    assert probes[4]["verdict"] == "capped"
+
+    response = client.get(f"/api/capacity/{done['id']}/export", params={"format": "vllm-sweep"})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/zip"
+    assert (response.headers["content-disposition"]
+            == f'attachment; filename="decodebench-{done["id"]}-vllm-sweep.zip"')
+    directory = tmp_path / "experiment"
+    zipfile.ZipFile(io.BytesIO(response.content)).extractall(directory)
+    folder = "SERVE--tensor_parallel_size=1-BENCH--random_input_len=64-max_concurrency={}"
+    # A folder per probe, a record per trial that measured; the capped probe's run is a
+    # failure with the reason, never a point at a concurrency the server did not run.
+    for c in (1, 2, 3):
+        trials = json.loads((directory / folder.format(c) / "summary.json").read_text())
+        assert [t["label"] for t in trials] == probes[c]["run_ids"]
+        assert {(t["max_concurrency"], t["random_input_len"]) for t in trials} == {(c, 64)}
+    capped = directory / folder.format(4)
+    assert not (capped / "summary.json").exists()
+    failure = json.loads((capped / "run=0.failure.json").read_text())
+    assert failure["error_type"] == "held_out" and "the probe at 4 was capped" in failure["error"]
+    assert failure["run_id"] == probes[4]["run_ids"][0]
+
+    # vLLM's own plot_pareto (the installed one) reads it and draws the frontier.
+    points = sum(probes[c]["trials"] for c in (1, 2, 3))
+    drawn = subprocess.run([sys.executable, "-m", "vllm.benchmarks.sweep.plot_pareto", str(directory)],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert drawn.returncode == 0, drawn.stdout + drawn.stderr
+    assert f"Plotted {points} points" in drawn.stdout
+    assert (directory / "pareto" / "PARETO.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_vllm_sweep_export_before_any_probe_measured_is_409(stub_service: Any) -> None:
+    client = stub_service({"STUB_TOKEN_INTERVAL_S": "0.05"})
+    search = client.post("/api/capacity", json={"base": {"output_len": 64}, "input_lens": [64],
+                                                "sla": SLA}).json()
+    response = client.get(f"/api/capacity/{search['id']}/export", params={"format": "vllm-sweep"})
+    assert response.status_code == 409 and "nothing to export" in response.json()["detail"]
+    client.post(f"/api/capacity/{search['id']}/cancel")
 
 
 def test_the_servers_max_num_seqs_bounds_the_search_before_it_probes_above(stub_service: Any) -> None:

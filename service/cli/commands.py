@@ -538,9 +538,11 @@ def cancel(ctx: click.Context, item_id: str) -> None:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.pass_context
 def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
-    """Write a sweep in the layout `vllm bench sweep serve` writes (run=N.json per trial,
-    summary.json per point, summary.csv), for `vllm bench sweep plot DIRECTORY`."""
-    response = client_of(ctx).call("GET", f"/api/sweeps/{sweep_id}/export", params={"format": "vllm-sweep"})
+    """Write a sweep (s-...) or a capacity search's probes (c-...) in the layout `vllm bench
+    sweep serve` writes (run=N.json per trial, summary.json per point, summary.csv), for
+    `vllm bench sweep plot DIRECTORY` and `vllm bench sweep plot_pareto DIRECTORY`."""
+    kind = "capacity" if sweep_id.startswith("c-") else "sweeps"
+    response = client_of(ctx).call("GET", f"/api/{kind}/{sweep_id}/export", params={"format": "vllm-sweep"})
     with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
         for name in archive.namelist():
             target = (directory / name).resolve()

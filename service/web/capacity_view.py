@@ -3,7 +3,7 @@ its probes and the decode rates there (from ``service.analysis.capacity.assess``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Engine
@@ -128,6 +128,16 @@ def capacity_public(engine: Engine, search_id: str,
         sla=search.sla, max_concurrency=search.max_concurrency, max_runs=search.max_runs,
         plan=search.plan, runs=len(runs), wall_s=wall_s(runs, utcnow()), error=search.error,
         contexts=[context_public(search, c, prefill) for c in contexts])
+
+
+def sweep_keys(base: Mapping[str, Any]) -> list[str]:
+    """A search's probes as a sweep's grid (the vllm-sweep export's folders): input length
+    and concurrency, and the server's tensor-parallel size, the GPUs ``plot_pareto`` divides
+    a server's throughput by (a ``SERVE--`` part, as a server parameter)."""
+    keys = ["input_len", "max_concurrency"]
+    if "tensor_parallel_size" in (base.get("engine") or {}):
+        keys.append("engine.tensor_parallel_size")
+    return keys
 
 
 # The export's columns: one row per probe, with its input length's answer beside it.
