@@ -29,7 +29,10 @@ end, as a starved client or a buffering proxy would see it), ``STUB_MAX_RUNNING`
 long they waited; ``--max-num-seqs`` does the same and reports the value in its engine
 settings, as vLLM does), ``STUB_ITL_SLOPE_S`` (each token comes that many seconds later
 per stream running: an inter-token time of ``STUB_TOKEN_INTERVAL_S + slope * running``,
-which gives a capacity search a known boundary). ``/stub/requests`` also shows the
+which gives a capacity search a known boundary), ``STUB_PREFILL_S_PER_TOKEN`` (each
+request's first token waits for a prefill of that many seconds per prompt token, one
+prefill at a time: above 1 / (that x prompt tokens) requests/s they queue and TTFT grows,
+a known prefill rate; a request of a fill run skips it, its prefill spared). ``/stub/requests`` also shows the
 process's pid, the vLLM CPU binding variables it was started with and its
 ``--max-model-len`` as given.
 
@@ -206,6 +209,8 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     hang_after = int(os.environ.get("STUB_HANG_AFTER_TOKENS", "0"))
     hang_healthy = bool(os.environ.get("STUB_HANG_HEALTHY"))
     first_token_s = float(os.environ.get("STUB_FIRST_TOKEN_S", "0"))
+    prefill_s_per_token = float(os.environ.get("STUB_PREFILL_S_PER_TOKEN", "0"))
+    prefilling = asyncio.Lock()
     refusal = os.environ.get("STUB_REFUSE_REQUESTS")
     if os.environ.get("STUB_GRANDCHILD"):
         state["grandchild"] = subprocess.Popen(["sleep", "3600"]).pid
@@ -286,6 +291,9 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                 if run_id:
                     await connector.admitted(run_id)
                 await asyncio.sleep(first_token_s)  # a prefill's silence
+                if prefill_s_per_token and connector.modes.get(run_id or "") != "fill":
+                    async with prefilling:  # one prefill at a time, as one engine step
+                        await asyncio.sleep(prefill_s_per_token * n_in)
                 for i in range(n_out):
                     if crash_after and number >= crash_after and i == n_out // 2:
                         print("stub: crashing mid-stream as told", flush=True)

@@ -3,7 +3,13 @@ grows with the streams they run: a known boundary."""
 
 from __future__ import annotations
 
+import html
+import io
+import json
+import subprocess
+import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +113,87 @@ def test_the_search_finds_the_stub_boundary_exactly_and_counts_its_runs(stub_ser
     assert sum(listed["searches"][0]["runs"].values()) == context["runs"]
 
 
+def test_a_measured_prefill_rate_sizes_decode_servers_per_prefill_server(stub_service: Any) -> None:
+    # One prefill at a time, 2.5 ms per prompt token: 160 ms for 64 tokens, so the stub
+    # prefills at most 6.25 requests/s; near-regular arrivals (burstiness 100) keep the
+    # TTFT near 160 ms (plus the machine's noise) below that rate, and above it requests
+    # queue and TTFT grows with each.
+    client = stub_service({**SLOPED, "STUB_PREFILL_S_PER_TOKEN": "0.0025"})
+    body = {"base": {**BASE, "burstiness": 100.0}, "input_lens": [64],
+            "sla": {"metric": "decode_median_itl_ms", "max_ms": 35}, "max_concurrency": 4,
+            "prefill": {"ttft_p99_max_ms": 600, "start_rate": 2, "num_prompts": 12}}
+    response = client.post("/api/capacity", json=body)
+    assert response.status_code == 201, response.text
+    done = wait_search(client, response.json()["id"])
+
+    assert done["status"] == "succeeded", (done["error"], done["contexts"][0]["prefill"]["probes"])
+    (context,) = done["contexts"]
+    assert (context["max_concurrency"], context["first_failing"]) == (2, 3)
+    prefill = context["prefill"]
+    assert prefill["state"] == "decided" and prefill["error"] is None
+    rate, failing = prefill["max_rate"], prefill["first_failing_rate"]
+    # No rate well above what the stub prefills can pass; noise may fail one below it.
+    assert 6.25 / 4 <= rate < failing and rate <= 6.25 * 1.5, prefill["probes"]
+    assert failing <= rate * 1.25  # bisected to the asked precision
+    # Each rate is a real-prefill run of one output token at that rate, judged by its p99 TTFT.
+    rates = {p["request_rate"]: p for p in prefill["probes"]}
+    assert {2, 4} <= set(rates) and prefill["runs"] == len(rates)
+    for r, probe in rates.items():
+        run = client.get(f"/api/runs/{probe['run_id']}").json()
+        assert run["capacity_id"] == done["id"] and run["status"] == "succeeded"
+        assert (run["spec"]["mode"], run["spec"]["output_len"], run["spec"]["request_rate"],
+                run["spec"]["num_prompts"]) == ("prefill", 1, r, 12)
+        assert probe["p99_ttft_ms"] == run["summary"]["p99_ttft_ms"]
+        assert probe["verdict"] == ("pass" if probe["p99_ttft_ms"] <= 600 else "fail")
+    assert rates[rate]["verdict"] == "pass" and rates[failing]["verdict"] == "fail"
+    # The decode probes are counted apart from the prefill runs.
+    assert done["runs"] == context["runs"] + prefill["runs"]
+    # P / D with P measured: the bracket of prefill tokens/s carries into the ratio.
+    assert prefill["tokens_per_s"] == pytest.approx(64 * rate)
+    assert prefill["tokens_per_s_range"] == pytest.approx([64 * rate, 64 * failing])
+    ratio = context["decode_servers_per_prefill_server"]
+    assert ratio["prefill_source"] == "measured"
+    assert ratio["prefill_requests_per_s_range"] == pytest.approx([rate, failing])
+    d = ratio["decode_requests_per_s"]
+    assert d["value"] == pytest.approx(2 / (8 * ratio["tpot_ms"]["value"] / 1000))
+    assert ratio["ratio"]["value"] == pytest.approx(rate / d["value"])
+    assert ratio["ratio"]["ci"] == pytest.approx([rate / d["ci"][1], failing / d["ci"][0]])
+    assert f"P = {64 * rate:.4g} tok/s (measured" in ratio["formula"]
+    # The page shows the prefill side's rates, the bracket and the formula with it.
+    page = client.get(f"/capacity/{done['id']}").text
+    assert "Prefill side (decided):" in page and prefill["statement"] in html.unescape(page)
+    assert "(measured: the rate where the TTFT limit is crossed lies in" in page
+    assert all(f'<a href="/runs/{p["run_id"]}">' in page for p in prefill["probes"])
+    # A rate given on the GET answers for it instead.
+    given = client.get(f"/api/capacity/{done['id']}", params={"prefill_tokens_per_s": 640}).json()
+    assert given["contexts"][0]["decode_servers_per_prefill_server"]["prefill_source"] == "given"
+
+
+@pytest.mark.parametrize(
+    ("prefill", "extra", "where", "named"),
+    [
+        ({"ttft_p99_max_ms": 0}, {}, ["body", "prefill", "ttft_p99_max_ms"], "greater than 0"),
+        ({"ttft_p99_max_ms": 100, "start_rate": 8, "max_rate": 4}, {}, ["body", "prefill"],
+         "max_rate (4) is below start_rate (8)"),
+        ({"ttft_p99_max_ms": 100, "num_prompts": 2}, {}, ["body", "prefill", "num_prompts"], "8"),
+        ({"ttft_p99_max_ms": 100, "rate": 3}, {}, ["body", "prefill", "rate"], "did you mean 'max_rate'"),
+        ({"ttft_p99_max_ms": 100}, {"prefill_tokens_per_s": 1000}, ["body"],
+         "give one of them, not both"),
+    ],
+)
+def test_bad_prefill_input_is_a_422_naming_the_field(client: TestClient, prefill: dict[str, Any],
+                                                     extra: dict[str, Any], where: list[str],
+                                                     named: str) -> None:
+    body = {"base": BASE, "input_lens": [64], "sla": SLA, "prefill": prefill, **extra}
+    response = client.post("/api/capacity", json=body)
+    assert response.status_code == 422, response.text
+    (error,) = response.json()["detail"]
+    assert error["loc"] == where and named in error["msg"], error
+    if where == ["body"]:
+        assert "prefill_tokens_per_s" in error["msg"] and "prefill" in error["msg"]
+    assert client.get("/api/runs").json()["total"] == 0
+
+
 def test_a_probe_the_server_capped_is_reported_capped_and_bounds_the_search(stub_service: Any) -> None:
     # The server runs at most 3 streams and says so nowhere but in its queue: the probe at
     # 4 is neither pass nor fail, and the answer is 3, what the server held.
@@ -122,6 +209,52 @@ def test_a_probe_the_server_capped_is_reported_capped_and_bounds_the_search(stub
     assert (context["max_concurrency"], context["first_failing"]) == (3, None)
     assert context["limited_by"] == "capped" and "the probe at 4 was capped" in context["limit_reason"]
     assert context["decided"] and probes[3]["trials"] == 2
+
+
+def test_the_vllm_sweep_export_is_drawn_by_vllms_plot_pareto_without_the_capped_probe(
+        stub_service: Any, tmp_path: Path) -> None:
+    client = stub_service({**SLOPED, "STUB_MAX_RUNNING": "3"})
+    body = {"base": BASE, "input_lens": [64], "sla": SLA, "max_concurrency": 16}
+    done = wait_search(client, client.post("/api/capacity", json=body).json()["id"])
+    probes = probes_of(done["contexts"][0])
+    assert probes[4]["verdict"] == "capped"
+
+    response = client.get(f"/api/capacity/{done['id']}/export", params={"format": "vllm-sweep"})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/zip"
+    assert (response.headers["content-disposition"]
+            == f'attachment; filename="decodebench-{done["id"]}-vllm-sweep.zip"')
+    directory = tmp_path / "experiment"
+    zipfile.ZipFile(io.BytesIO(response.content)).extractall(directory)
+    folder = "SERVE--tensor_parallel_size=1-BENCH--random_input_len=64-max_concurrency={}"
+    # A folder per probe, a record per trial that measured; the capped probe's run is a
+    # failure with the reason, never a point at a concurrency the server did not run.
+    for c in (1, 2, 3):
+        trials = json.loads((directory / folder.format(c) / "summary.json").read_text())
+        assert [t["label"] for t in trials] == probes[c]["run_ids"]
+        assert {(t["max_concurrency"], t["random_input_len"]) for t in trials} == {(c, 64)}
+    capped = directory / folder.format(4)
+    assert not (capped / "summary.json").exists()
+    failure = json.loads((capped / "run=0.failure.json").read_text())
+    assert failure["error_type"] == "held_out" and "the probe at 4 was capped" in failure["error"]
+    assert failure["run_id"] == probes[4]["run_ids"][0]
+
+    # vLLM's own plot_pareto (the installed one) reads it and draws the frontier.
+    points = sum(probes[c]["trials"] for c in (1, 2, 3))
+    drawn = subprocess.run([sys.executable, "-m", "vllm.benchmarks.sweep.plot_pareto", str(directory)],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert drawn.returncode == 0, drawn.stdout + drawn.stderr
+    assert f"Plotted {points} points" in drawn.stdout
+    assert (directory / "pareto" / "PARETO.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_vllm_sweep_export_before_any_probe_measured_is_409(stub_service: Any) -> None:
+    client = stub_service({"STUB_TOKEN_INTERVAL_S": "0.05"})
+    search = client.post("/api/capacity", json={"base": {"output_len": 64}, "input_lens": [64],
+                                                "sla": SLA}).json()
+    response = client.get(f"/api/capacity/{search['id']}/export", params={"format": "vllm-sweep"})
+    assert response.status_code == 409 and "nothing to export" in response.json()["detail"]
+    client.post(f"/api/capacity/{search['id']}/cancel")
 
 
 def test_the_servers_max_num_seqs_bounds_the_search_before_it_probes_above(stub_service: Any) -> None:

@@ -24,6 +24,7 @@ from service.analysis.capacity import (
     servers_ratio,
 )
 from service.analysis.intervals import Interval
+from service.analysis.prefill_rate import RateProbe, RateStep, measured, next_rate
 
 LIMIT = 50.0
 CEILING = Bound(64, "max_concurrency", "max_concurrency 64 (asked)")
@@ -265,3 +266,48 @@ def test_decode_servers_per_prefill_server_is_p_over_d_with_the_rates_interval()
     # No boundary (nothing passed) or no rate: no ratio.
     assert servers_ratio(10_000, 1000, 100, 0, Interval(20.0, 16.0, 25.0)) is None
     assert servers_ratio(10_000, 1000, 100, 5, Interval(20.0, 0.0, 25.0)) is None
+
+
+# --- the prefill side's rate search ----------------------------------------------------------
+
+
+def _rate_search(passes_below: float, start: float = 1.0, top: float = 1024.0,
+                 precision: float = 0.25) -> tuple[list[float], RateStep]:
+    """Run the rate search against a server whose p99 TTFT passes below ``passes_below``
+    requests/s: the rates it asked for, in order, and its last step."""
+    probes: list[RateProbe] = []
+    asked: list[float] = []
+    while True:
+        step = next_rate(probes, 100.0, start, top, precision)
+        if step.queue is None:
+            return asked, step
+        asked.append(step.queue)
+        ttft = 50.0 if step.queue < passes_below else 500.0
+        probes.append(RateProbe(step.queue, f"r-{len(asked)}", "succeeded", ttft))
+
+
+def test_the_rate_search_doubles_to_a_failure_then_bisects_to_the_precision() -> None:
+    asked, step = _rate_search(passes_below=21.0)
+    assert asked[:6] == [1, 2, 4, 8, 16, 32]
+    assert step.done and step.error is None and not step.bound_reached
+    assert step.last_pass is not None and step.first_fail is not None
+    assert step.last_pass < 21.0 <= step.first_fail <= step.last_pass * 1.25
+    found = measured(step, 1000)
+    assert found is not None and found.tokens_per_s == pytest.approx(1000 * step.last_pass)
+    assert found.tokens_per_s_hi == pytest.approx(1000 * step.first_fail)
+
+
+def test_the_rate_search_stops_at_max_rate_and_at_a_first_rate_that_fails() -> None:
+    asked, step = _rate_search(passes_below=1e9, top=10.0)
+    assert asked == [1, 2, 4, 8, 10] and step.done and step.bound_reached and step.last_pass == 10
+    asked, step = _rate_search(passes_below=0.5)
+    assert asked == [1] and step.done and step.error is not None and "lower prefill.start_rate" in step.error
+    assert measured(step, 1000) is None
+
+
+def test_a_rate_probe_still_running_waits_and_one_that_failed_stops_the_search() -> None:
+    running = [RateProbe(1.0, "r-1", "running")]
+    assert next_rate(running, 100.0, 1.0, 64.0, 0.25).wait
+    failed = [RateProbe(1.0, "r-1", "failed", error="the server died")]
+    step = next_rate(failed, 100.0, 1.0, 64.0, 0.25)
+    assert step.done and step.error is not None and "the server died" in step.error

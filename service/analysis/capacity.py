@@ -374,9 +374,12 @@ class ProbeRuns:
 
 
 def probe_runs(runs: Iterable[Run]) -> dict[int, dict[int, ProbeRuns]]:
-    """A search's runs by input length and concurrency, each probe's by trial."""
+    """A search's decode probe runs by input length and concurrency, each probe's by trial
+    (its prefill runs, ``service.analysis.prefill_rate``, left out)."""
     out: dict[int, dict[int, ProbeRuns]] = {}
     for run in runs:
+        if run.spec.get("mode") == "prefill":
+            continue
         length, c = int(run.spec["input_len"]), int(run.spec["max_concurrency"])
         out.setdefault(length, {}).setdefault(c, ProbeRuns(length, c)).runs.append(run)
     for probes in out.values():
@@ -525,9 +528,15 @@ class ServersRatio:
     - a prefill server admits P = prefill tokens/s / input_len requests/s;
     - a decode server finishes D = C_max / (output_len x TPOT at C_max) requests/s;
     - so P / D decode servers keep up with one prefill server.
+
+    The prefill rate is given (exact: ``prefill_tokens_per_s_hi`` equals it) or measured
+    (a bracket: from the last passing rate to the first failing one); the ratio's interval
+    runs from the bracket's bottom over D's top to its top over D's bottom.
     """
 
     prefill_tokens_per_s: float
+    prefill_tokens_per_s_hi: float
+    measured: bool
     input_len: int
     output_len: int
     max_concurrency: int
@@ -538,23 +547,31 @@ class ServersRatio:
 
     @property
     def prefill_requests_per_s(self) -> float:
-        """P, exact: the prefill rate is given, not measured."""
+        """P (at the bottom of a measured bracket)."""
         return self.prefill_tokens_per_s / self.input_len
+
+    @property
+    def prefill_requests_per_s_hi(self) -> float:
+        """P at the top of a measured bracket (P itself when given)."""
+        return self.prefill_tokens_per_s_hi / self.input_len
 
 
 def servers_ratio(prefill_tokens_per_s: float, input_len: int, output_len: int, max_concurrency: int,
-                  per_user: Interval) -> ServersRatio | None:
-    """P / D from the prefill rate given and the boundary's per-stream decode rate (1 / its
-    median TPOT); None without a boundary (no probe passed) or a positive rate."""
+                  per_user: Interval, prefill_tokens_per_s_hi: float | None = None) -> ServersRatio | None:
+    """P / D from the prefill rate (given, or measured up to ``prefill_tokens_per_s_hi``) and
+    the boundary's per-stream decode rate (1 / its median TPOT); None without a boundary (no
+    probe passed) or a positive rate."""
     if max_concurrency < 1 or per_user.lo <= 0:
         return None
     p = prefill_tokens_per_s / input_len
+    p_hi = (prefill_tokens_per_s_hi or prefill_tokens_per_s) / input_len
     # D = C / (output_len x TPOT) = C x (1 / TPOT) / output_len: it moves with the rate, so
     # the rate's interval carries over, end to end (and turns over for 1 / D).
     d = per_user.scaled(max_concurrency / output_len)
     tpot = Interval(1.0 / per_user.value, 1.0 / per_user.hi, 1.0 / per_user.lo, per_user.confidence)
-    ratio = Interval(p / d.value, p / d.hi, p / d.lo, per_user.confidence)
-    return ServersRatio(prefill_tokens_per_s, input_len, output_len, max_concurrency, tpot, d, ratio)
+    ratio = Interval(p / d.value, p / d.hi, p_hi / d.lo, per_user.confidence)
+    return ServersRatio(prefill_tokens_per_s, p_hi * input_len, prefill_tokens_per_s_hi is not None,
+                        input_len, output_len, max_concurrency, tpot, d, ratio)
 
 
 def ceiling_bound(max_concurrency: int | None, ceiling: int) -> Bound:

@@ -395,6 +395,15 @@ def _point_text(point: Any) -> str:
               help="Runs the search may spend in all (default: 32 per input length).")
 @click.option("--prefill-tokens-per-s", type=click.FloatRange(0, min_open=True), default=None,
               help="A prefill server's prefill tokens/s: size decode servers per prefill server.")
+@click.option("--prefill-ttft-p99-max-ms", type=click.FloatRange(0, min_open=True), default=None,
+              help="Measure the prefill side instead: real-prefill runs at rising request rates, up to "
+                   "the highest whose p99 TTFT is at most this.")
+@click.option("--prefill-start-rate", type=click.FloatRange(0, min_open=True), default=None,
+              help="The measured prefill side's first request rate (default 1/s), doubled from there.")
+@click.option("--prefill-max-rate", type=click.FloatRange(0, min_open=True), default=None,
+              help="The highest request rate the prefill side is measured at (default 1024/s).")
+@click.option("--prefill-num-prompts", type=click.IntRange(8), default=None,
+              help="Requests each prefill rate's run sends (default 32).")
 @click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--fill-mean", type=float, default=None)
@@ -541,9 +550,11 @@ def cancel(ctx: click.Context, item_id: str) -> None:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.pass_context
 def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
-    """Write a sweep in the layout `vllm bench sweep serve` writes (run=N.json per trial,
-    summary.json per point, summary.csv), for `vllm bench sweep plot DIRECTORY`."""
-    response = client_of(ctx).call("GET", f"/api/sweeps/{sweep_id}/export", params={"format": "vllm-sweep"})
+    """Write a sweep (s-...) or a capacity search's probes (c-...) in the layout `vllm bench
+    sweep serve` writes (run=N.json per trial, summary.json per point, summary.csv), for
+    `vllm bench sweep plot DIRECTORY` and `vllm bench sweep plot_pareto DIRECTORY`."""
+    kind = "capacity" if sweep_id.startswith("c-") else "sweeps"
+    response = client_of(ctx).call("GET", f"/api/{kind}/{sweep_id}/export", params={"format": "vllm-sweep"})
     with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
         for name in archive.namelist():
             target = (directory / name).resolve()

@@ -178,7 +178,11 @@ def ratio_table(search: Mapping[str, Any]) -> Table | None:
                   "D req/s", "decode servers per prefill server (P / D)",
                   title="P = prefill tok/s / input_len; D = C max / (output_len x TPOT); 95% intervals")
     for input_len, r in rows:
-        table.add_row(str(input_len), f"{r['prefill_tokens_per_s']:g}", f"{r['prefill_requests_per_s']:.3g}",
+        prefill = f"{r['prefill_tokens_per_s']:g}"
+        if r.get("prefill_source") == "measured":
+            low, high = r["prefill_tokens_per_s_range"]
+            prefill = f"{low:.4g} [{low:.4g}, {high:.4g}] measured"
+        table.add_row(str(input_len), prefill, f"{r['prefill_requests_per_s']:.3g}",
                       str(r["output_len"]), str(r["max_concurrency"]), _figure(r["tpot_ms"], 2),
                       _figure(r["decode_requests_per_s"], 3), _figure(r["ratio"], 2))
     return table

@@ -213,6 +213,11 @@ def capacity_body(v: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("max_concurrency", "max_runs", "prefill_tokens_per_s"):
         if v.get(key) is not None:
             body[key] = v[key]
+    prefill = {field: v[f"prefill_{field}"] for field in ("ttft_p99_max_ms", "start_rate", "max_rate",
+                                                           "num_prompts")
+               if v.get(f"prefill_{field}") is not None}
+    if prefill:
+        body["prefill"] = prefill  # the service names what is missing (ttft_p99_max_ms)
     return body
 
 

@@ -1,7 +1,9 @@
 """Capacity searches at work: after each probe run ends, look at the probes whose trials
 have all ended and queue the next probes the planner asks for
 (``service.analysis.capacity.next_step``), until every input length is decided, stopped
-or the search's run budget is spent.
+or the search's run budget is spent. A search that measures the prefill side also queues
+each input length's next real-prefill run (``service.analysis.prefill_rate.next_rate``)
+until its rate is bracketed; those runs have their own cap, not the budget.
 
 Looks are taken one at a time (``_LOOKING``), as ``until_decided``'s are: two probe runs
 ending together must not both see the search wanting a probe and both queue it. A look
@@ -13,12 +15,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from sqlalchemy import Engine
 
+from service.analysis import prefill_rate
 from service.analysis.capacity import assess, ceiling_bound, look_key, probe_runs, take_look
 from service.core.errors import NotFound
 from service.storage import capacity, measurements, store
+from service.storage.tables import Run
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +78,7 @@ def advance(engine: Engine, search_id: str) -> int:
                       trial_cap=int(search.plan["trial_cap"]))
     ended = dict(search.ended)
     wanted: list[tuple[int, int]] = []
-    left = search.max_runs - len(runs)
+    left = search.max_runs - sum(not prefill_rate.is_prefill_run(r) for r in runs)
     for context in contexts:
         step, key = context.step, str(context.input_len)
         if key in ended or step.done or step.wait:
@@ -85,17 +91,49 @@ def advance(engine: Engine, search_id: str) -> int:
         else:
             wanted += [(context.input_len, c) for c in step.queue]
             left -= len(step.queue)
-    over = all(c.step.done or str(c.input_len) in ended for c in contexts) and not wanted
+    rates, measuring = _prefill_steps(search.plan.get("prefill"), search.input_lens, runs, ended)
+    over = (all(c.step.done or str(c.input_len) in ended for c in contexts) and not wanted
+            and not measuring)
     status = error = None
     if over:
         status = "failed" if ended else "succeeded"
-        error = "; ".join(f"input_len {k}: {why}" for k, why in ended.items()) or None
-    added = capacity.advance(engine, search_id, looks, ended, wanted, status, error)
+        error = "; ".join(_why(k, why) for k, why in ended.items()) or None
+    added = capacity.advance(engine, search_id, looks, ended, wanted, status, error, rates)
     if added is None:
         return 0  # cancelled while this look was taken
     if added:
         log.info("capacity search %s: queued %s", search_id,
-                 ", ".join(f"{length}@{c}" for length, c in wanted))
+                 ", ".join([f"{length}@{c}" for length, c in wanted]
+                           + [f"prefill {length}@{rate:g}/s" for length, rate in rates]))
     if status is not None:
         log.info("capacity search %s %s%s", search_id, status, f": {error}" if error else "")
     return len(added)
+
+
+def _prefill_steps(prefill: Mapping[str, Any] | None, input_lens: Sequence[int], runs: Sequence[Run],
+                   ended: dict[str, str]) -> tuple[list[tuple[int, float]], bool]:
+    """The prefill runs the search asks for next, as (input length, rate), and whether a
+    prefill search is still under way; records in ``ended`` the ones that stopped."""
+    if prefill is None:
+        return [], False
+    rates: list[tuple[int, float]] = []
+    measuring = False
+    for length in input_lens:
+        key = prefill_rate.PREFILL_KEY.format(length)
+        if key in ended:
+            continue
+        _, step = prefill_rate.step_of(runs, length, prefill)
+        if step.error is not None:
+            ended[key] = step.error
+        elif step.queue is not None:
+            rates.append((length, step.queue))
+            measuring = True
+        elif step.wait:
+            measuring = True
+    return rates, measuring
+
+
+def _why(key: str, why: str) -> str:
+    if key.startswith("prefill "):
+        return f"prefill at input_len {key.removeprefix('prefill ')}: {why}"
+    return f"input_len {key}: {why}"

@@ -49,6 +49,28 @@ class Sla(Strict):
     max_ms: float = Field(gt=0, le=1e7, allow_inf_nan=False)
 
 
+class PrefillSearch(Strict):
+    """Measure what a prefill server admits: per input length, real-prefill runs of one
+    output token at rising request rates, up to the highest whose p99 TTFT is at most
+    ``ttft_p99_max_ms``: doubling from ``start_rate`` to the first failing rate (or
+    ``max_rate``), then bisecting (geometric mean) until the failing rate is within
+    ``precision`` of the passing one."""
+
+    ttft_p99_max_ms: float = Field(gt=0, le=1e7, allow_inf_nan=False)
+    start_rate: float = Field(default=1.0, gt=0, le=1e5, allow_inf_nan=False)
+    max_rate: float = Field(default=1024.0, gt=0, le=1e5, allow_inf_nan=False)
+    # Requests each rate's run sends (it lasts about num_prompts / rate seconds).
+    num_prompts: Int = Field(default=32, ge=8, le=MAX_PROMPTS)
+    # Stop bisecting once first failing rate <= last passing rate x (1 + precision).
+    precision: float = Field(default=0.25, ge=0.01, le=1.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _rates_in_order(self) -> PrefillSearch:
+        if self.max_rate < self.start_rate:
+            raise ValueError(f"max_rate ({self.max_rate:g}) is below start_rate ({self.start_rate:g})")
+        return self
+
+
 class CapacityCreate(Strict):
     """A capacity search: per input length, the largest concurrency whose SLA holds."""
 
@@ -62,6 +84,8 @@ class CapacityCreate(Strict):
     max_runs: Int | None = Field(default=None, ge=1, le=MAX_CAPACITY_RUNS)
     # A prefill server's prefill tokens/s, to size decode servers per prefill server against.
     prefill_tokens_per_s: float | None = Field(default=None, gt=0, le=1e12, allow_inf_nan=False)
+    # Or measure it: real-prefill runs at each input length against a TTFT limit.
+    prefill: PrefillSearch | None = None
 
     @field_validator("base")
     @classmethod
@@ -83,6 +107,13 @@ class CapacityCreate(Strict):
         return lens
 
     @model_validator(mode="after")
+    def _one_prefill_source(self) -> CapacityCreate:
+        if self.prefill is not None and self.prefill_tokens_per_s is not None:
+            raise ValueError("prefill_tokens_per_s gives the prefill rate and prefill measures it: "
+                             "give one of them, not both")
+        return self
+
+    @model_validator(mode="after")
     def _probes_are_runs(self) -> CapacityCreate:
         if self.max_runs is not None and self.max_runs < len(self.input_lens):
             raise ValueError(f"max_runs ({self.max_runs}) is below one run per input length "
@@ -92,6 +123,12 @@ class CapacityCreate(Strict):
                 probe_spec(self.base, input_len, 1, 0)
             except ValueError as exc:
                 raise ValueError(f"input_lens: {input_len} makes no valid run: {exc}") from exc
+            if self.prefill is not None:
+                try:
+                    prefill_spec(self.base, input_len, self.prefill.start_rate, self.prefill.num_prompts)
+                except ValueError as exc:
+                    raise ValueError(f"prefill: input_len {input_len} makes no valid prefill run: "
+                                     f"{exc}") from exc
         return self
 
     def ceiling(self) -> int:
@@ -124,4 +161,19 @@ def probe_spec(base: RunSpec | Mapping[str, Any], input_len: int, concurrency: i
                 num_prompts=probe_prompts(concurrency), request_rate=None, ramp_up=None,
                 repeats=1, stop=None, mode="seeded" if data.get("mode") == "seeded" else "fill",
                 seed=(seed + trial) % 2**32)
+    return RunSpec.stored(data) if stored else RunSpec.model_validate(data)
+
+
+def prefill_spec(base: RunSpec | Mapping[str, Any], input_len: int, rate: float, num_prompts: int,
+                 stored: bool = False) -> RunSpec:
+    """The real-prefill run that measures TTFT at ``input_len`` and ``rate`` requests/s
+    (one output token, no concurrency limit, ``num_prompts`` requests); ``base`` and
+    ``stored`` as for ``probe_spec``. A ValueError if it is no valid run.
+
+    At least one warm-up request goes first: a run's first request waits for the
+    connector's pull of the run's parameters, and with few requests its TTFT would be the p99."""
+    data = base.model_dump() if isinstance(base, RunSpec) else dict(base)
+    data.update(input_len=input_len, output_len=1, max_concurrency=None, num_prompts=num_prompts,
+                request_rate=rate, ramp_up=None, repeats=1, stop=None, mode="prefill",
+                warmup_prompts=max(1, int(data.get("warmup_prompts", 0))))
     return RunSpec.stored(data) if stored else RunSpec.model_validate(data)

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import Engine, delete, func, update
 from sqlmodel import Session, col, select
 
-from service.core.capacity import PROBE_FIELDS, CapacityCreate, probe_spec
+from service.core.capacity import PROBE_FIELDS, CapacityCreate, prefill_spec, probe_spec
 from service.core.errors import Conflict, NotFound, shown
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec, point_key
@@ -38,19 +38,33 @@ def _probe_run(search: CapacitySearch, base: RunSpec | Mapping[str, Any], input_
                capacity_id=search.id, group_id=group, trial=trial, point=point_key(data))
 
 
+def _prefill_run(search: CapacitySearch, base: RunSpec | Mapping[str, Any], input_len: int,
+                 rate: float) -> Run:
+    """The real-prefill run at (``input_len``, ``rate`` requests/s), not yet stored."""
+    spec = prefill_spec(base, input_len, rate, int(search.plan["prefill"]["num_prompts"]), stored=True)
+    data = spec.model_dump()
+    return Run(id=new_id("r"), spec=data, model=spec.model, total=spec.prompt_budget(),
+               capacity_id=search.id, point=point_key(data))
+
+
 def create_search(engine: Engine, body: CapacityCreate, plan: Mapping[str, Any]) -> CapacitySearch:
     """Insert a search and the first probe of each input length (one request at a time),
-    all or nothing."""
+    with, when it measures the prefill side, each one's first prefill run; all or nothing."""
     # The fields each probe sets are not kept with the base: they would read as the search's.
     base = body.base.model_dump(exclude=set(PROBE_FIELDS))
     plan = dict(plan)
     if body.prefill_tokens_per_s is not None:
         # Kept with the plan (fixed at the start, in JSON): no column for a sizing input.
         plan["prefill_tokens_per_s"] = body.prefill_tokens_per_s
+    if body.prefill is not None:
+        plan["prefill"] = body.prefill.model_dump()
     search = CapacitySearch(id=new_id("c"), base=base, input_lens=list(body.input_lens),
                             sla=body.sla.model_dump(), max_concurrency=body.max_concurrency,
                             max_runs=body.runs_budget(), plan=plan)
     runs = [_probe_run(search, body.base, length, 1, []) for length in body.input_lens]
+    if body.prefill is not None:
+        runs += [_prefill_run(search, body.base, length, body.prefill.start_rate)
+                 for length in body.input_lens]
     queue_in_order(runs)
     with write_session(engine) as session:
         session.add(search)
@@ -71,11 +85,12 @@ def get_search(engine: Engine, search_id: str) -> tuple[CapacitySearch, list[Run
 
 def advance(engine: Engine, search_id: str, looks: Mapping[str, Any], ended: Mapping[str, str],
             probes: Sequence[tuple[int, int]], status: str | None = None,
-            error: str | None = None) -> list[Run] | None:
+            error: str | None = None, rates: Sequence[tuple[int, float]] = ()) -> list[Run] | None:
     """While the search is active, in one transaction: record its ``looks`` and the input
     lengths that ``ended``, queue one trial of each probe (input length, concurrency) in
-    ``probes`` in that order, and with ``status`` end it. The runs queued; None when the
-    search was no longer active (nothing written)."""
+    ``probes`` in that order, then a prefill run at each (input length, rate) in ``rates``,
+    and with ``status`` end it. The runs queued; None when the search was no longer active
+    (nothing written)."""
     with write_session(engine) as session:
         search = session.get(CapacitySearch, search_id)
         if search is None or search.status != ACTIVE:
@@ -87,6 +102,7 @@ def advance(engine: Engine, search_id: str, looks: Mapping[str, Any], ended: Map
                        and r.spec["max_concurrency"] == concurrency]
             earlier.sort(key=lambda r: r.trial or 0)
             added.append(_probe_run(search, search.base, input_len, concurrency, earlier))
+        added += [_prefill_run(search, search.base, input_len, rate) for input_len, rate in rates]
         queue_in_order(added)
         search.looks = dict(looks)
         search.ended = dict(ended)

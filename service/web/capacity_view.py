@@ -3,11 +3,12 @@ its probes and the decode rates there (from ``service.analysis.capacity.assess``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Engine
 
+from service.analysis import prefill_rate
 from service.analysis.capacity import Context, ServersRatio, assess, ceiling_bound, servers_ratio, wall_s
 from service.analysis.intervals import CONFIDENCE, Interval
 from service.core.ids import utcnow
@@ -19,6 +20,8 @@ from service.web.schemas import (
     CapacityProbe,
     CapacityPublic,
     Figure,
+    PrefillProbe,
+    PrefillPublic,
     ServersRatioPublic,
 )
 
@@ -70,31 +73,89 @@ def _probe_public(probe: dict[str, Any]) -> CapacityProbe:
 
 def ratio_public(ratio: ServersRatio) -> ServersRatioPublic:
     """P / D with its inputs, as the API shows it."""
-    formula = (f"P = {ratio.prefill_tokens_per_s:g} tok/s / {ratio.input_len} = "
+    p_range = [ratio.prefill_tokens_per_s, ratio.prefill_tokens_per_s_hi]
+    prefill = (f"{ratio.prefill_tokens_per_s:.4g} tok/s (measured; the rate where the TTFT limit "
+               f"is crossed lies up to {ratio.prefill_tokens_per_s_hi:.4g})" if ratio.measured
+               else f"{ratio.prefill_tokens_per_s:g} tok/s")
+    formula = (f"P = {prefill} / {ratio.input_len} = "
                f"{ratio.prefill_requests_per_s:.4g} req/s; D = {ratio.max_concurrency} / "
                f"({ratio.output_len} x {ratio.tpot_s.value * 1000:.4g} ms) = "
                f"{ratio.decode_requests_per_s.value:.4g} req/s; P / D = {ratio.ratio.value:.3g} "
                "decode servers per prefill server")
     return ServersRatioPublic(
-        formula=formula, prefill_tokens_per_s=ratio.prefill_tokens_per_s, input_len=ratio.input_len,
-        prefill_requests_per_s=ratio.prefill_requests_per_s, output_len=ratio.output_len,
+        formula=formula, prefill_source="measured" if ratio.measured else "given",
+        prefill_tokens_per_s=ratio.prefill_tokens_per_s, prefill_tokens_per_s_range=p_range,
+        input_len=ratio.input_len, prefill_requests_per_s=ratio.prefill_requests_per_s,
+        prefill_requests_per_s_range=[ratio.prefill_requests_per_s, ratio.prefill_requests_per_s_hi],
+        output_len=ratio.output_len,
         max_concurrency=ratio.max_concurrency, tpot_ms=_figure(ratio.tpot_s, 1000.0),
         decode_requests_per_s=_figure(ratio.decode_requests_per_s), ratio=_figure(ratio.ratio))
 
 
-def context_public(search: CapacitySearch, context: Context,
+PREFILL_METHOD = ("one real-prefill run per rate, one output token each; a rate passes when the "
+                  "run's p99 TTFT (its point estimate) is at most the limit; doubling from the "
+                  "start rate to the first failure, then bisecting")
+
+
+def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) -> PrefillPublic | None:
+    """What the search measured of the prefill side at ``input_len``; None when it measures none."""
+    asked = search.plan.get("prefill")
+    if asked is None:
+        return None
+    max_ms = float(asked["ttft_p99_max_ms"])
+    probes, step = prefill_rate.step_of(runs, input_len, asked)
+    stopped = search.ended.get(prefill_rate.PREFILL_KEY.format(input_len))
+    if step.done and step.error is None and stopped is None:
+        state = "decided"
+    elif stopped is not None or step.error is not None or search.status != capacity.ACTIVE:
+        state = "stopped"
+    else:
+        state = "measuring"
+    rate = prefill_rate.measured(step, input_len) if state == "decided" else None
+    limit = f"p99 TTFT <= {max_ms:g} ms"
+    if rate is not None and step.bound_reached:
+        statement = (f"a prefill server admits {rate.requests_per_s:.4g} requests/s ({limit}; the "
+                     f"highest rate asked, max_rate, passed): at least {rate.tokens_per_s:.4g} "
+                     f"prefill tokens/s at input_len {input_len}")
+    elif rate is not None:
+        statement = (f"a prefill server admits {rate.requests_per_s:.4g} requests/s with {limit} "
+                     f"({rate.requests_per_s_hi:.4g} failed): {rate.tokens_per_s:.4g} prefill "
+                     f"tokens/s at input_len {input_len}, under {rate.tokens_per_s_hi:.4g}")
+    else:
+        statement = (f"not decided: {step.last_pass:g} requests/s passed {limit} so far"
+                     if step.last_pass is not None else f"not decided: no rate has passed {limit} yet")
+    return PrefillPublic(
+        ttft_p99_max_ms=max_ms, state=state, max_rate=step.last_pass, first_failing_rate=step.first_fail,
+        bound_reached=step.bound_reached,
+        tokens_per_s=None if rate is None else rate.tokens_per_s,
+        tokens_per_s_range=None if rate is None else [rate.tokens_per_s, rate.tokens_per_s_hi],
+        method=PREFILL_METHOD, statement=statement,
+        probes=[PrefillProbe(request_rate=p.rate, run_id=p.run_id, status=p.status,
+                             p99_ttft_ms=p.p99_ttft_ms, ci_ms=None if p.ci_ms is None else list(p.ci_ms),
+                             verdict=p.verdict(max_ms)) for p in probes],
+        runs=len(probes), error=stopped or step.error)
+
+
+def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run] = (),
                    prefill_tokens_per_s: float | None = None) -> CapacityContext:
-    """One input length as the API shows it; with a prefill rate, decode servers per prefill
-    server at its boundary."""
+    """One input length as the API shows it; with a prefill rate (given, or measured by the
+    search), decode servers per prefill server at its boundary."""
     step = context.step
     decided = context.decided
     state = "decided" if decided else ("stopped" if context.ended is not None else "probing")
     per_user = context.per_user
     rate = _figure(per_user)
+    prefill = prefill_public(search, runs, context.input_len)
     ratio = None
-    if prefill_tokens_per_s is not None and per_user is not None:
-        found = servers_ratio(prefill_tokens_per_s, context.input_len, int(search.base["output_len"]),
-                              step.last_pass, per_user)
+    if per_user is not None:
+        found = None
+        output_len = int(search.base["output_len"])
+        if prefill_tokens_per_s is not None:
+            found = servers_ratio(prefill_tokens_per_s, context.input_len, output_len, step.last_pass,
+                                  per_user)
+        elif prefill is not None and prefill.tokens_per_s_range is not None:
+            low, high = prefill.tokens_per_s_range
+            found = servers_ratio(low, context.input_len, output_len, step.last_pass, per_user, high)
         ratio = None if found is None else ratio_public(found)
     return CapacityContext(
         input_len=context.input_len, state=state, decided=decided,
@@ -108,14 +169,15 @@ def context_public(search: CapacitySearch, context: Context,
         probes=[_probe_public(dict(p)) for p in context.probes],
         tokens_per_s_per_user=rate,
         tokens_per_s_per_server=_figure(per_user, step.last_pass) if step.last_pass else None,
-        decode_servers_per_prefill_server=ratio,
+        decode_servers_per_prefill_server=ratio, prefill=prefill,
         runs=context.runs, wall_s=context.wall_s, error=context.ended or step.error)
 
 
 def capacity_public(engine: Engine, search_id: str,
                     prefill_tokens_per_s: float | None = None) -> CapacityPublic:
     """A search with its status, plan and, per input length, where it stands; decode servers
-    per prefill server at the prefill rate given here, else the search's own, if any."""
+    per prefill server at the prefill rate given here, else the search's own (given, or
+    measured), if any."""
     search, runs = capacity.get_search(engine, search_id)
     bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
     prefill = prefill_tokens_per_s or search.plan.get("prefill_tokens_per_s")
@@ -127,7 +189,17 @@ def capacity_public(engine: Engine, search_id: str,
         finished_at=search.finished_at, base=search.base, input_lens=search.input_lens,
         sla=search.sla, max_concurrency=search.max_concurrency, max_runs=search.max_runs,
         plan=search.plan, runs=len(runs), wall_s=wall_s(runs, utcnow()), error=search.error,
-        contexts=[context_public(search, c, prefill) for c in contexts])
+        contexts=[context_public(search, c, runs, prefill) for c in contexts])
+
+
+def sweep_keys(base: Mapping[str, Any]) -> list[str]:
+    """A search's probes as a sweep's grid (the vllm-sweep export's folders): input length
+    and concurrency, and the server's tensor-parallel size, the GPUs ``plot_pareto`` divides
+    a server's throughput by (a ``SERVE--`` part, as a server parameter)."""
+    keys = ["input_len", "max_concurrency"]
+    if "tensor_parallel_size" in (base.get("engine") or {}):
+        keys.append("engine.tensor_parallel_size")
+    return keys
 
 
 # The export's columns: one row per probe, with its input length's answer beside it.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -288,18 +288,58 @@ class ServersRatioPublic(BaseModel):
     """Decode servers per prefill server at one input length, with the formula's inputs:
     P = prefill_tokens_per_s / input_len requests/s a prefill server admits; D =
     max_concurrency / (output_len x tpot_ms / 1000) requests/s a decode server finishes at
-    the boundary; ``ratio`` = P / D. The prefill rate is given (exact); the intervals (95%)
-    come from the boundary's TPOT."""
+    the boundary; ``ratio`` = P / D. The prefill rate is ``given`` (exact: its range is one
+    value) or ``measured`` (its range the bracket of the prefill search: the last passing
+    rate to the first failing one); D's intervals (95%) come from the boundary's TPOT; the
+    ratio's interval runs from P's bottom over D's top to P's top over D's bottom."""
 
     formula: str
+    prefill_source: Literal["given", "measured"]
     prefill_tokens_per_s: float
+    prefill_tokens_per_s_range: list[float]
     input_len: int
     prefill_requests_per_s: float
+    prefill_requests_per_s_range: list[float]
     output_len: int
     max_concurrency: int
     tpot_ms: Figure
     decode_requests_per_s: Figure
     ratio: Figure
+
+
+class PrefillProbe(BaseModel):
+    """One request rate the prefill search ran: its run, the run's p99 TTFT (ms) with the
+    summary's 95% interval, and its verdict by that p99 (``pass``, ``fail``), or
+    ``pending`` / ``failed`` (ended without numbers)."""
+
+    request_rate: float
+    run_id: str
+    status: str
+    p99_ttft_ms: float | None
+    ci_ms: list[float] | None
+    verdict: str
+
+
+class PrefillPublic(BaseModel):
+    """The prefill side measured at one input length: real-prefill runs of one output
+    token at rising request rates against a p99 TTFT limit. ``max_rate``: the highest
+    rate that passed (requests/s); ``first_failing_rate``: the lowest that failed (null:
+    none below the asked maximum, ``bound_reached``); prefill tokens/s per server is
+    ``max_rate`` x input_len, given with the bracket up to the failing rate."""
+
+    ttft_p99_max_ms: float
+    # "measuring", "decided" or "stopped" (``error`` says why).
+    state: str
+    max_rate: float | None
+    first_failing_rate: float | None
+    bound_reached: bool
+    tokens_per_s: float | None
+    tokens_per_s_range: list[float] | None
+    method: str
+    statement: str
+    probes: list[PrefillProbe]
+    runs: int
+    error: str | None
 
 
 class CapacityContext(BaseModel):
@@ -328,8 +368,11 @@ class CapacityContext(BaseModel):
     # the full-batch window) and the server's (max_concurrency streams), 95% intervals.
     tokens_per_s_per_user: Figure | None
     tokens_per_s_per_server: Figure | None
-    # With a prefill rate (the search's, or the query's): decode servers per prefill server.
+    # With a prefill rate (the query's, the search's, or the one it measured): decode
+    # servers per prefill server.
     decode_servers_per_prefill_server: ServersRatioPublic | None = None
+    # When the search measures the prefill side: what it found at this input length.
+    prefill: PrefillPublic | None = None
     runs: int
     wall_s: float | None
     error: str | None

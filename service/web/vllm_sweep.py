@@ -1,5 +1,6 @@
-"""A sweep as the directory ``vllm bench sweep serve`` writes, in a zip archive, so that
-``vllm bench sweep plot DIR`` and ``plot_pareto DIR`` read it unchanged once unpacked.
+"""A sweep (or a capacity search's probes) as the directory ``vllm bench sweep serve``
+writes, in a zip archive, so that ``vllm bench sweep plot DIR`` and ``plot_pareto DIR``
+read it unchanged once unpacked.
 
 The layout, as vLLM's ``benchmarks/sweep/serve.py`` makes it:
 
@@ -8,7 +9,9 @@ The layout, as vLLM's ``benchmarks/sweep/serve.py`` makes it:
   replaced as vLLM's ``sanitize_filename`` does;
 - in it ``run=N.json`` per trial: the run's ``vllm bench serve --save-result`` JSON (the
   run export's) plus ``run_number`` and the point's parameters, which is what the plots
-  group by; ``run=N.failure.json`` for a trial that ended without numbers; and
+  group by; ``run=N.failure.json`` for a trial that ended without numbers (or whose
+  numbers are held out, as a capacity probe the server capped: its concurrency is not
+  what the server ran); and
   ``summary.json``, the list of its trials' records, for a point with a measured trial;
 - ``summary.csv`` at the top: one row per measured trial, as pandas writes vLLM's (an
   unnamed index column first); per-request lists stay in the run files.
@@ -31,7 +34,7 @@ from sqlalchemy import Engine
 
 from service.analysis.comparison import arms_of, spec_value
 from service.core.status import FINISHED, MEASURED
-from service.storage.tables import Run, Sweep
+from service.storage.tables import Run
 from service.web.api.exports import is_request_list, result_pieces, run_result
 
 # The names ``vllm bench serve`` gives what a decodebench grid varies; other keys keep
@@ -120,10 +123,13 @@ def _summary_csv(records: Sequence[Mapping[str, Any]]) -> str:
     return out.getvalue()
 
 
-def archive(engine: Engine, sweep: Sweep, runs: Sequence[Run], detailed: bool) -> Iterator[bytes]:
-    """The zip archive of a sweep's results in vLLM's layout, a chunk at a time."""
+def archive(engine: Engine, grid_keys: Sequence[str], runs: Sequence[Run], detailed: bool,
+            held_out: Mapping[str, str] | None = None) -> Iterator[bytes]:
+    """The zip archive of runs in vLLM's layout, a folder per point of ``grid_keys`` (a
+    sweep's grid), a chunk at a time; ``held_out``: runs (by id) written as failures with
+    the reason given, whatever they measured."""
     sink = _Sink()
-    grid_keys = list(sweep.grid)
+    held_out = held_out or {}
     every: list[dict[str, Any]] = []
     with zipfile.ZipFile(sink, "w", compression=zipfile.ZIP_DEFLATED) as archive:
 
@@ -140,7 +146,12 @@ def archive(engine: Engine, sweep: Sweep, runs: Sequence[Run], detailed: bool) -
             measured: list[tuple[Run, dict[str, Any]]] = []
             for run in arm.runs:
                 number = run.trial or 0
-                if run.status in MEASURED and run.summary is not None:
+                if run.id in held_out and run.status in FINISHED:
+                    failure = {"run_number": number, "error_type": "held_out", "error": held_out[run.id],
+                               "serve_overrides": serve, "bench_overrides": bench, "run_id": run.id}
+                    yield from write(f"{folder}/run={number}.failure.json",
+                                     iter([json.dumps(failure, indent=2)]))
+                elif run.status in MEASURED and run.summary is not None:
                     record = {**run_result(engine, run, detailed), "run_number": number, **serve, **bench}
                     measured.append((run, record))
                     yield from write(f"{folder}/run={number}.json", result_pieces(engine, run.id, record))

@@ -7,14 +7,14 @@ import logging
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.analysis.capacity import plan_for
 from service.core.capacity import CapacityCreate, probe_spec
 from service.core.errors import Conflict
-from service.core.status import FINISHED
+from service.core.status import FINISHED, MEASURED
 from service.storage import capacity, logs
-from service.web import capacity_view
+from service.web import capacity_view, vllm_sweep
 from service.web.api.exports import csv_attachment
 from service.web.api.runs import cancel_one, check_backend, check_fits, check_model
 from service.web.deps import ADMIN, DB, READ, Sched
@@ -77,17 +77,33 @@ def get_capacity(search_id: str, engine: DB, prefill_tokens_per_s: PrefillRate =
 
 @router.get(
     "/api/capacity/{search_id}/export", response_model=None, dependencies=READ,
-    responses={200: {"description": "the search's probes as CSV, or as JSON {search, columns, rows}",
-                     "content": {"text/csv": {}, "application/json": {}}}},
+    responses={200: {"description": "the search's probes as CSV, or as JSON {search, columns, rows}; "
+                                    "or (vllm-sweep) a zip of the directory vllm bench sweep serve writes",
+                     "content": {"text/csv": {}, "application/json": {}, "application/zip": {}}}},
 )
-def export_capacity(search_id: str, engine: DB, format: Literal["csv", "json"] = "csv",
-                    prefill_tokens_per_s: PrefillRate = None) -> Response:
+def export_capacity(search_id: str, engine: DB,
+                    format: Literal["csv", "json", "vllm-sweep"] = "csv",
+                    prefill_tokens_per_s: PrefillRate = None, detailed: bool = False) -> Response:
     """A capacity search as one table, a row per probe (its verdict, SLA figure and decode
     rates with intervals, runs) beside its input length's answer: CSV, or JSON with the
-    search as ``GET /api/capacity/{id}`` answers it (and P / D at the prefill rate given)."""
+    search as ``GET /api/capacity/{id}`` answers it (and P / D at the prefill rate given).
+    ``vllm-sweep``: a zip of the directory ``vllm bench sweep serve`` writes, a folder per
+    probe (input length, concurrency), for ``vllm bench sweep plot`` and ``plot_pareto``;
+    a capped probe's runs are failures there. 409 until a probe run has numbers."""
     search = capacity_view.capacity_public(engine, search_id, prefill_tokens_per_s)
-    columns, rows = capacity_view.capacity_table(search)
     name = f"decodebench-{search_id}"
+    if format == "vllm-sweep":
+        stored, runs = capacity.get_search(engine, search_id)
+        if not any(r.status in MEASURED and r.summary is not None for r in runs):
+            raise Conflict(f"no probe run of capacity search {search_id} has finished with numbers "
+                           "yet: nothing to export")
+        held_out = {run_id: f"the probe at {p.concurrency} was capped: {p.capped}"
+                    for c in search.contexts for p in c.probes if p.capped for run_id in p.run_ids}
+        return StreamingResponse(
+            vllm_sweep.archive(engine, capacity_view.sweep_keys(stored.base), runs, detailed, held_out),
+            media_type="application/zip",
+            headers={"Content-Disposition": f'attachment; filename="{name}-vllm-sweep.zip"'})
+    columns, rows = capacity_view.capacity_table(search)
     if format == "json":
         return JSONResponse({"search": search.model_dump(mode="json"), "columns": columns, "rows": rows},
                             headers={"Content-Disposition": f'inline; filename="{name}.json"'})

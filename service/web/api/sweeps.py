@@ -100,7 +100,7 @@ def export_sweep(
         if not any(r.status in MEASURED and r.summary is not None for r in runs):
             raise Conflict(f"no run of sweep {sweep_id} has finished with numbers yet: nothing to export")
         return StreamingResponse(
-            vllm_sweep.archive(engine, sweep, runs, detailed), media_type="application/zip",
+            vllm_sweep.archive(engine, list(sweep.grid), runs, detailed), media_type="application/zip",
             headers={"Content-Disposition": f'attachment; filename="decodebench-{sweep_id}-vllm-sweep.zip"'})
     columns, rows = sweep_view.sweep_table(sweep_view.sweep_public(engine, sweep_id))
     name = f"decodebench-{sweep_id}"

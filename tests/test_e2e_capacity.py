@@ -1,0 +1,82 @@
+"""A capacity search end to end on a real vLLM (CPU) server with the bundled tiny model:
+``decodebench capacity`` against the service as a real process, its table, and the answer
+the API gives, every probe a run that exists and succeeded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.core.tinymodel import TINY_MODEL_NAME
+from tests.conftest import API_TOKEN
+from tests.vllm_process import real_service
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+# A limit the tiny model on a CPU keeps at every concurrency up to 4: the search brackets
+# 1, 2, 4, stops at the asked bound and gives the boundary its second trial.
+SLA_MS = 5000
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    with real_service(tmp_path_factory.mktemp("e2e-capacity") / "var") as client:
+        yield client
+
+
+def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_exist(
+        service: httpx.Client) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "--url", str(service.base_url), "--token", API_TOKEN,
+         "capacity", "--model", TINY_MODEL_NAME, "--input-len", "1024", "--output-len", "16",
+         "--sla-metric", "decode_p99_itl_ms", "--sla-max-ms", str(SLA_MS), "--max-concurrency", "4",
+         "--max-runs", "8", "--prefill-tokens-per-s", "10240"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "250"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    search_id = done.stderr.split("capacity search ")[1].split()[0]
+    search = service.get(f"/api/capacity/{search_id}").json()
+
+    assert search["status"] == "succeeded", search
+    (context,) = search["contexts"]
+    assert context["decided"] and context["input_len"] == 1024
+    assert (context["max_concurrency"], context["first_failing"]) == (4, None)
+    assert context["limited_by"] == "max_concurrency" and context["boundary_range"] == [4, 4]
+    probes = {p["concurrency"]: p for p in context["probes"]}
+    assert set(probes) == {1, 2, 4}
+    assert all(p["verdict"] == "pass" and p["decided_by"] == "interval" for p in probes.values())
+    assert probes[4]["trials"] >= 2  # the boundary's second trial
+    for p in probes.values():
+        assert 0 < p["ci_ms"][0] <= p["figure_ms"] <= p["ci_ms"][1] <= SLA_MS
+    # Every run it counts is a probe run of this search that succeeded at its concurrency,
+    # on the real server with the connector filling its requests.
+    run_ids = [r for p in probes.values() for r in p["run_ids"]]
+    assert context["runs"] == search["runs"] == len(run_ids) == len(set(run_ids)) <= 8
+    for c, probe in probes.items():
+        for run_id in probe["run_ids"]:
+            run = service.get(f"/api/runs/{run_id}").json()
+            assert run["status"] == "succeeded" and run["capacity_id"] == search_id
+            assert (run["spec"]["max_concurrency"], run["spec"]["input_len"]) == (c, 1024)
+            assert run["connector"]["filled_requests"] == run["spec"]["num_prompts"]
+    # Four streams batched make more tokens per server than one (per stream, the tiny
+    # model on a CPU is too noisy to order).
+    servers = [probes[c]["tokens_per_s_per_server"]["value"] for c in (1, 4)]
+    assert servers[1] > servers[0]
+    ratio = context["decode_servers_per_prefill_server"]
+    assert ratio["prefill_requests_per_s"] == pytest.approx(10)
+    assert ratio["ratio"]["ci"][0] <= ratio["ratio"]["value"] <= ratio["ratio"]["ci"][1]
+
+    # What the user read: a line per probe, the table, the answer in a sentence.
+    assert "input_len=1024 concurrency=4: pass, decode_p99_itl_ms" in done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.lstrip("│ ").startswith("1024 "))
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[:6] == ["1024", "4", "[4, 4]", "-", "max_concurrency", "95%"]
+    assert cells[8] == str(context["runs"])
+    assert (f"input_len 1024: largest concurrency with decode_p99_itl_ms <= {SLA_MS} ms at "
+            "input_len 1024: 4 (bound reached: max_concurrency 4 (asked))") in done.stdout
