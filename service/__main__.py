@@ -10,6 +10,7 @@ import socket
 import sys
 
 import uvicorn
+from pydantic import ValidationError
 
 from service.app import create_app
 from service.settings import Settings
@@ -93,7 +94,12 @@ def main() -> None:
     # Not a line for every call to a server (health probes every second, scrapes): failures
     # are logged by the service itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        sys.exit("decodebench: " + "; ".join(
+            f"DECODEBENCH_{'_'.join(str(p) for p in e['loc']).upper()}: "
+            + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
     problem = refuse_open_bind(settings)
     if problem:
         sys.exit(f"decodebench: {problem}")

@@ -255,6 +255,9 @@ def read_result(body: Any, offset: timedelta = timedelta(0)) -> Imported:
                       f"{str(body['date'])[:40]!r}") from exc
     duration = _number(body, "duration")
     samples = _samples(body)
+    if int(body["completed"]) == 0 or (samples and not any(s.success for s in samples)):
+        raise Invalid(f"every request of the result file failed (completed {int(body['completed'])}, "
+                      f"failed {int(body['failed'])}): it measured nothing to import")
     spec = _spec(body, samples)
     provenance = _provenance(body, spec, bool(samples))
     provenance["imported"]["date_utc_offset"] = _offset_text(offset)

@@ -214,6 +214,7 @@ def _vllm_result(client: Client, run_id: str, values: dict[str, Any], metrics: s
                               "detailed": values["save_detailed"], "metadata": list(values["metadata"])}
     if values["label"] is not None:
         params["label"] = values["label"]
+    params["backend"] = values["backend"]
     result: dict[str, Any] = client.get(f"/api/runs/{run_id}/export", **params)
     return result
 
@@ -266,7 +267,8 @@ GRID = (("input_len", "--input-len", int), ("output_len", "--output-len", int),
 @click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--num-warmups", type=click.IntRange(0), default=0)
-@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=None,
+              help="Trials per point (default 1; 2 with --until-decided, its first look).")
 @click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it).")
 @click.option("--max-model-len", type=click.IntRange(16), default=None)
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
@@ -293,7 +295,9 @@ def sweep(ctx: click.Context, /, **values: Any) -> None:
     if engine:
         base["engine"] = engine
     client = client_of(ctx)
-    body: dict[str, Any] = {"base": base, "grid": grid, "repeats": values["repeats"]}
+    body: dict[str, Any] = {"base": base, "grid": grid}
+    if values["repeats"] is not None:
+        body["repeats"] = values["repeats"]
     if values["until_decided"] is not None:
         body["until_decided"] = {"max_pairs": values["until_decided"]}
     created = client.post("/api/sweeps", body)
@@ -358,10 +362,15 @@ def _follow_and_judge(client: Client, sweep_id: str) -> None:
 
 
 def _verdicts(ended: dict[str, Any]) -> None:
-    """Fill against prefill per point, as the sweep page says it, and the exit status."""
+    """Fill against prefill per point, as the sweep page says it (a sweep not over mode: each
+    point's figures), and the exit status."""
     for row in ended.get("fill_vs_prefill") or []:
         console.print(f"{_point_text(row.get('point'))}: {row.get('line') or row.get('verdict')}",
                       highlight=False, markup=False)
+    if "mode" not in (ended.get("grid") or {}):
+        for point in ended.get("points") or []:
+            console.print(f"{_point_text(point.get('point'))}: {render.point_figures(point)}",
+                          highlight=False, markup=False, soft_wrap=True)
     if any(r["status"] not in ("succeeded", "imported") for r in ended["runs"]):
         sys.exit(1)
 
