@@ -135,6 +135,8 @@ def compare_table(result: Mapping[str, Any]) -> Table:
             verdict = change.get("verdict", "")
             if verdict == "different" and change.get("across_runs") is False:
                 verdict += " (within these runs only)"
+            if change.get("tolerance"):
+                verdict += f", {change['tolerance']}"
             verdicts.append(verdict)
         table.add_row(*cells, ", ".join(verdicts))
     return table
