@@ -337,7 +337,7 @@ class Runner:
         summary: dict[str, Any] = dict(
             summarize(self.samples, duration, self.spec.goodput.model_dump(exclude_none=True)))
         summary.update(summary_intervals(self.samples))
-        summary["prefill_stall"] = prefill_stall(self.samples)
+        summary["prefill_stall"] = prefill_stall(self.samples, self.spec.mode)
         # The provenance as stored now: a connector report after the snapshot is in it.
         prov = store.get_run(self.engine, self.run_id).provenance or {}
         itl = summary.get("decode_median_itl_ms")

@@ -183,7 +183,8 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
         request,
         "run.html",
         {
-            "facts": spec_facts(run.spec),
+            "facts": spec_facts(run.spec, (run.provenance or {}).get("imported")
+                                if run.status == "imported" else None),
             "took_s": between(run.started_at, ended),
             "cause": cause,
             "log_lines": log_lines,
@@ -196,6 +197,9 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
             "server_view": server_view(measurements.server_points(engine, run_id), values.starts,
                                        values.latencies),
             "worker": worker,
+            # The engine as the server ran it: a bundled model loads dummy weights whatever was asked.
+            "worker_engine": {**worker.engine, "load_format": effective_load_format(
+                worker.model, worker.engine.get("load_format") or "auto")} if worker else None,
             "worker_log_kept": bool(worker and worker.log_path and Path(worker.log_path).exists()),
             "logs_kept": request.app.state.settings.worker_logs_kept,
             "run": run,
