@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     hub_check: Literal["off", "cache", "online"] = "online"
     # How often registered (external) vLLM servers are health-probed.
     worker_probe_s: float = Field(default=5.0, gt=0)
+    # The access log (uvicorn's line per request): "changes" (the default: requests that are
+    # not reads, and every answer of 400 or more), "all" (every request, the polls of pages
+    # and progress displays too: most of the log) or "off". What happened (runs queued,
+    # started and ended, servers starting, ready and stopped) is logged as events whatever it says.
+    access_log: Literal["changes", "all", "off"] = "changes"
     # Log the connector's routine calls (``/api/connector/*`` answered 2xx) in the access
     # log: off by default, they were a third of the log; their failures are always logged.
     log_connector_traffic: bool = False

@@ -48,10 +48,13 @@ def follow_runs(client: Client, run_ids: Sequence[str], console: Console, quiet:
                     live = client.get(f"/api/runs/{run_id}/live")
                     done, eta, itl = live["completed"] + live["failed"], _eta(live["eta_s"]), \
                         _itl(live["decode_median_itl_ms"])
+                    # While its server starts, what it waits for and how long, as the service says it.
+                    state = live.get("waiting") or live["status"]
                     bar.update(task, total=live["total"], completed=done, eta=eta, itl=itl,
-                               description=f"{run_id} {live['status']}")
+                               description=f"{run_id} {state}")
                     # Not a terminal (a pipe, a log): a line when something moved, or every LINE_S.
-                    line = f"{run_id} {live['status']} {done}/{live['total']} ETA {eta} {itl}"
+                    line = (f"{run_id} {state}" if live.get("waiting")
+                            else f"{run_id} {live['status']} {done}/{live['total']} ETA {eta} {itl}")
                     if not quiet and not console.is_terminal and (
                             line != said or time.monotonic() - said_at > LINE_S):
                         console.print(line, highlight=False, markup=False)
