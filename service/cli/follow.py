@@ -4,6 +4,7 @@ service. Polls once a second at most, so the display moves at least that often."
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -55,10 +56,12 @@ def follow_runs(client: Client, run_ids: Sequence[str], console: Console, quiet:
                     # Not a terminal (a pipe, a log): a line when something moved, or every LINE_S.
                     line = (f"{run_id} {state}" if live.get("waiting")
                             else f"{run_id} {live['status']} {done}/{live['total']} ETA {eta} {itl}")
+                    # A wait's elapsed time moves every second: a new line when its phase does.
+                    moved = re.sub(r": \d+[hms\d]*", "", line)
                     if not quiet and not console.is_terminal and (
-                            line != said or time.monotonic() - said_at > LINE_S):
+                            moved != said or time.monotonic() - said_at > LINE_S):
                         console.print(line, highlight=False, markup=False)
-                        said, said_at = line, time.monotonic()
+                        said, said_at = moved, time.monotonic()
                     if live["status"] in ENDED:
                         break
                     time.sleep(POLL_S)
