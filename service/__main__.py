@@ -10,6 +10,7 @@ import socket
 import sys
 
 import uvicorn
+from pydantic import ValidationError
 
 from service.app import create_app
 from service.settings import Settings
@@ -58,19 +59,29 @@ def ready_banner(settings: Settings) -> str:
 CONNECTOR_PATHS = "/api/connector/"
 
 
-class RoutineConnectorCalls(logging.Filter):
-    """Keeps the connector's answered calls (``/api/connector/*`` with a 2xx) out of
-    uvicorn's access log; its refused and failed calls, and every other line, stay."""
+class AccessLines(logging.Filter):
+    """Keeps uvicorn's access log to what ``Settings.access_log`` asks: with "changes", the
+    requests that are not reads (GET, HEAD) and every answer of 400 or more; with "all",
+    every request; with "off", none. The connector's answered calls (``/api/connector/*``
+    with a 2xx) stay out unless ``connector`` (``Settings.log_connector_traffic``)."""
+
+    def __init__(self, level: str = "changes", connector: bool = False) -> None:
+        super().__init__()
+        self.level = level
+        self.connector = connector
 
     def filter(self, record: logging.LogRecord) -> bool:
         # uvicorn's access records carry (client, method, path, http version, status).
         args = record.args
         if not isinstance(args, tuple) or len(args) != 5:
             return True
-        path, status = args[2], args[4]
-        routine = (isinstance(path, str) and path.startswith(CONNECTOR_PATHS)
-                   and isinstance(status, int) and 200 <= status < 300)
-        return not routine
+        method, path, status = args[1], args[2], args[4]
+        failed = not isinstance(status, int) or status >= 400
+        if isinstance(path, str) and path.startswith(CONNECTOR_PATHS):
+            return self.connector or not (isinstance(status, int) and 200 <= status < 300)
+        if self.level == "off":
+            return False
+        return self.level == "all" or failed or method not in ("GET", "HEAD")
 
 
 class Server(uvicorn.Server):
@@ -93,7 +104,12 @@ def main() -> None:
     # Not a line for every call to a server (health probes every second, scrapes): failures
     # are logged by the service itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        sys.exit("decodebench: " + "; ".join(
+            f"DECODEBENCH_{'_'.join(str(p) for p in e['loc']).upper()}: "
+            + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
     problem = refuse_open_bind(settings)
     if problem:
         sys.exit(f"decodebench: {problem}")
@@ -122,8 +138,8 @@ def main() -> None:
     gc.freeze()
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info")
     # After the Config: it sets up uvicorn's loggers, and would drop a filter added before.
-    if not settings.log_connector_traffic:
-        logging.getLogger("uvicorn.access").addFilter(RoutineConnectorCalls())
+    logging.getLogger("uvicorn.access").addFilter(
+        AccessLines(settings.access_log, settings.log_connector_traffic))
     server = Server(config, ready_banner(settings))
     server.run()
     if not server.started:

@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     hub_check: Literal["off", "cache", "online"] = "online"
     # How often registered (external) vLLM servers are health-probed.
     worker_probe_s: float = Field(default=5.0, gt=0)
+    # The access log (uvicorn's line per request): "changes" (the default: requests that are
+    # not reads, and every answer of 400 or more), "all" (every request, the polls of pages
+    # and progress displays too: most of the log) or "off". What happened (runs queued,
+    # started and ended, servers starting, ready and stopped) is logged as events whatever it says.
+    access_log: Literal["changes", "all", "off"] = "changes"
     # Log the connector's routine calls (``/api/connector/*`` answered 2xx) in the access
     # log: off by default, they were a third of the log; their failures are always logged.
     log_connector_traffic: bool = False
@@ -83,8 +88,9 @@ class Settings(BaseSettings):
     # milliseconds a run instead of an interpreter start). Off: each driver is a Python
     # process of its own (about 0.4 s of CPU each).
     warm_drivers: bool = True
-    # A Ray cluster to place servers and load drivers on (``auto``, ``HOST:6379`` or
-    # ``ray://HOST:10001``); None: local processes, and Ray is never imported.
+    # A Ray cluster to place servers and load drivers on (``HOST:6379`` or
+    # ``ray://HOST:10001``); None: local processes, and Ray is never imported. Not ``auto``:
+    # that joins whichever cluster runs on this machine, another user's included.
     ray_address: str | None = None
     # The Ray namespace of the actors this service makes; on a restart every actor left in
     # it is stopped, so give each service its own.
@@ -103,6 +109,16 @@ class Settings(BaseSettings):
     def _absolute(cls, value: Path) -> Path:
         # Workers run with the data dir as their working directory: paths must not be relative.
         return value.expanduser().resolve()
+
+    @field_validator("ray_address")
+    @classmethod
+    def _explicit_cluster(cls, value: str | None) -> str | None:
+        if value is not None and value.strip().lower() == "auto":
+            raise ValueError(
+                "auto would join whichever Ray cluster runs on this machine, "
+                "another user's included: give your cluster's address, HOST:6379 (as `ray start "
+                "--head` printed it) or ray://HOST:10001")
+        return value or None
 
     @property
     def db_path(self) -> Path:

@@ -418,3 +418,47 @@ def test_ctrl_c_cancels_the_capacity_search_on_the_service(stub_service: Any) ->
     assert f"cancelled capacity search {search_id} on the service" in stderr
     ended = service.get(f"/api/capacity/{search_id}").json()
     assert ended["status"] == "cancelled"
+
+
+def test_until_decided_alone_starts_at_two_pairs_per_point(service: Any) -> None:
+    done = cli(service.control_url, "sweep", "--input-len", "8", "--mode", "fill,prefill", "--num-prompts",
+               "2", "--output-len", "2", "--until-decided", "3", "--no-wait")
+    assert done.returncode == 0, done.stderr
+    sweep = service.get(f"/api/sweeps/{done.stdout.strip()}").json()
+    assert sweep["repeats"] == 2 and len(sweep["runs"]) == 4
+    service.post(f"/api/sweeps/{sweep['id']}/cancel")
+
+
+def test_a_refusal_reads_as_the_services_sentence(service: Any) -> None:
+    # A rule of the whole body: no field path, no doubled colon, no pydantic prefix.
+    done = cli(service.control_url, "sweep", "--input-len", "8", "--until-decided", "3")
+    assert done.returncode == 2
+    text = " ".join(done.stderr.split())
+    assert "error: until_decided runs fill/prefill pairs" in text and "(HTTP 422)" in text, text
+    assert "Value error" not in text and ": :" not in text
+    # A field's rule names the field first.
+    bad = cli(service.control_url, "bench", "serve", "--num-prompts", "2", "--random-input-len", "8",
+              "--random-output-len", "2", "--max-model-len", "16", "--engine-arg", "--max-model-len=8")
+    assert bad.returncode == 2 and "Value error" not in bad.stderr, bad.stderr
+
+
+def test_bench_serve_writes_the_backend_it_was_given(service: Any, tmp_path: Path) -> None:
+    done = cli(service.control_url, "bench", "serve", "--backend", "vllm", "--num-prompts", "2",
+               "--random-input-len", "8", "--random-output-len", "2", "--save-result",
+               "--result-dir", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    (saved,) = (tmp_path / "out").iterdir()
+    assert saved.name.startswith("vllm-")
+    result = json.loads(saved.read_text())
+    assert result["backend"] == "vllm" and result["endpoint_type"] == "vllm"
+
+
+def test_a_sweep_not_over_mode_prints_each_points_figures(service: Any) -> None:
+    done = cli(service.control_url, "sweep", "--input-len", "8,16", "--num-prompts", "3",
+               "--output-len", "4", timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("input_len=")]
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        assert "decode median TPOT " in line and " ms" in line and "tok/s" in line, line
+        assert line.endswith("(1 trial)"), line

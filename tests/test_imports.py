@@ -139,3 +139,19 @@ def test_import_of_no_object_is_422(client: TestClient) -> None:
     response = client.post("/api/imports", json=[1, 2])
     assert response.status_code == 422
     assert client.get("/api/runs").json()["total"] == 0
+
+
+@pytest.mark.parametrize("detailed", [True, False])
+def test_a_file_whose_every_request_failed_is_refused_saying_so(client: TestClient, detailed: bool) -> None:
+    data = copy.deepcopy(_reference())
+    n = data["num_prompts"]
+    data.update(completed=0, failed=n, total_output_tokens=0)
+    if detailed:
+        data.update(errors=["connection refused"] * n, output_lens=[0] * n)
+    else:
+        for key in DETAILED_ONLY:
+            data.pop(key, None)
+    response = client.post("/api/imports", json=data)
+    assert response.status_code == 422, response.text
+    assert "every request of the result file failed" in response.json()["detail"]
+    assert client.get("/api/runs").json()["total"] == 0

@@ -64,9 +64,9 @@ def test_sweep_page_draws_curves_and_pairs_fill_with_prefill(client: TestClient)
     pairs = html.split('id="pairs"')[1].split("</ul>")[0]
     assert pairs.count("side by side") == 4
     assert pairs.count("· one pair: cannot tell; run 5 pairs") == 4
-    # ``.3g`` numbers: "0.987", but "1" for a ratio of exactly one (stub tokens can come evenly).
-    number = r"\d+(?:\.\d+)?(?:e[+-]\d+)?"
-    assert re.search(rf"{number} \[{number}, {number}\] by a bootstrap over requests", pairs)
+    # Fill against prefill in percent, as the compare page says it.
+    pct = r"[+-]\d+\.\d%"
+    assert re.search(rf"decode ITL fill/prefill {pct} \[{pct}, {pct}\] by a bootstrap over requests", pairs)
     assert len(re.findall(r'class="verdict flag-undecided"', pairs)) == 4
     assert 'id="fill-flags"' not in html
     assert 'id="add-trials"' in html

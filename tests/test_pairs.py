@@ -59,7 +59,7 @@ def test_a_sweep_over_mode_runs_each_pair_back_to_back(client: TestClient) -> No
     assert len(verdicts) == 2
     for verdict in verdicts:
         assert verdict["pairs"] == 2 and not verdict["one_pair"]
-        assert verdict["line"].startswith(f"{verdict['verdict']}: ") and "over 2 pairs" in verdict["line"]
+        assert verdict["line"].startswith(f"{verdict['verdict']} over 2 pairs: "), verdict["line"]
         by_pair: dict[str, dict[str, Any]] = {}
         for r in done:
             if r["spec"]["input_len"] == verdict["point"]["input_len"]:
@@ -150,8 +150,10 @@ def test_an_undecided_point_says_how_many_pairs_would_decide(tmp_path: Path) -> 
     assert verdict["verdict"] == "undecided" and verdict["pairs"] == 2
     assert verdict["needed"] == needed == 6 and verdict["more"] == 4
     ratio = verdict["ratios"][0]
-    assert verdict["line"] == (f"undecided: {ratio['ratio']:.3g} [{ratio['ci'][0]:.3g}, "
-                               f"{ratio['ci'][1]:.3g}] over 2 pairs; about 6 pairs would decide")
+    pct, lo, hi = ((x - 1) * 100 for x in (ratio["ratio"], *ratio["ci"]))
+    assert verdict["line"] == (f"undecided over 2 pairs: decode ITL fill/prefill {pct:+.1f}% "
+                               f"[{lo:+.1f}%, {hi:+.1f}%]: not distinguishable at 95%; within +-5% "
+                               "not shown; about 6 pairs would decide")
 
 
 def test_one_pair_never_differs_and_says_how_many_to_run(client: TestClient) -> None:
@@ -355,8 +357,53 @@ def test_a_comparison_says_the_confidence_its_interval_was_taken_at(paired: bool
     # An until_decided look takes its interval at a corrected confidence (here 3 looks).
     look = 1 - (1 - CONFIDENCE) / 3
     assert change(None, prefill, slower, metric, look)["message"].endswith(  # type: ignore[arg-type]
-        "worse (different at 98.3%)")
+        "worse (different at 98.3%); beyond +-5%")
     assert change(None, prefill, same, metric, look)["message"].endswith(  # type: ignore[arg-type]
-        "not distinguishable at 98.3%")
+        "not distinguishable at 98.3%; within +-5% not shown")
     assert change(None, prefill, slower, metric)["message"].endswith(  # type: ignore[arg-type]
-        "worse (different at 95%)")
+        "worse (different at 95%); beyond +-5%")
+
+
+def test_the_sweeps_verdict_and_the_compare_page_give_one_answer(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path)
+    settings.data_dir.mkdir(parents=True)
+    engine = make_engine(settings.db_path)
+    # Decided at its first look (fill about 10% slower), under a rule of two looks (97.5% each).
+    sweep_id = _paired_sweep(engine, [0.10, 0.12, 0.07, 0.11], until_decided={"max_pairs": 8})
+    engine.dispose()
+    with ServedTestClient(settings, headers=AUTH) as client:
+        (verdict,) = client.get(f"/api/sweeps/{sweep_id}").json()["fill_vs_prefill"]
+        assert verdict["verdict"] == "differs"
+        ids = f"ids={verdict['prefill']}&ids={verdict['fill']}"
+        compared = client.get(f"/api/compare?{ids}").json()
+        rows = {row["metric"]: row["changes"][0] for row in compared["metrics"]}
+        for ratio in verdict["ratios"]:
+            theirs = rows[ratio["metric"]]
+            assert (theirs["ci"], theirs["method"], theirs["message"]) == (
+                ratio["ci"], ratio["method"], ratio["message"])
+        assert verdict["ratios"][0]["method"] == f"{PAIRED}, 97.5% per look"
+        assert "beyond +-5%" in verdict["line"] and verdict["ratios"][0]["message"] in verdict["line"]
+        # The page names the method its header, tooltips and JSON use, and says the same.
+        page = client.get(f"/compare?{ids}").text
+        head = page.split('<table id="compare">')[0]
+        assert f"{PAIRED}, 97.5% per look" in head and "Welch" not in head
+        assert f'title="{PAIRED}, 97.5% per look"' in page
+        assert compared["methods"][0] == f"{PAIRED}, 97.5% per look"
+        assert verdict["ratios"][0]["message"] in page
+
+
+def test_advice_past_a_sensible_number_of_pairs_says_the_noise_is_too_high(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path)
+    settings.data_dir.mkdir(parents=True)
+    engine = make_engine(settings.db_path)
+    # Pairs that disagree by +-20%: +-5% would take some 66 pairs.
+    sweep_id = _paired_sweep(engine, [0.0, 0.25, -0.15])
+    (verdict,) = sweep_public(engine, sweep_id).fill_vs_prefill
+    engine.dispose()
+    assert pairs_needed(float(np.std([0.0, 0.25, -0.15], ddof=1))) == 66
+    assert verdict["verdict"] == "undecided" and verdict["needed"] is None and verdict["more"] is None
+    assert "over 32 would be needed, the difference is too small to tell at this machine's noise" \
+        in verdict["line"], verdict["line"]
+    with ServedTestClient(settings, headers=AUTH) as client:
+        page = client.get(f"/sweeps/{sweep_id}").text
+    assert 'name="count" min="1" max="32" value="1"' in page

@@ -99,6 +99,9 @@ def test_a_sweep_runs_one_server_per_gpu_across_nodes(cluster: Cluster, tmp_path
             energy = run["summary"]["energy"]
             assert energy["node"] == worker["node"]["address"]
             assert energy["available"] is False and worker["node"]["id"] in energy["why"]
+            # Its actor kept the server's log and the bundled model under the data dir.
+            assert worker["log_path"].split(":", 1)[1].startswith(str(tmp_path / "var" / "ray"))
+        assert (tmp_path / "var" / "ray" / "models").is_dir()
         # They overlapped: every run started before any of them ended.
         assert max(r["started_at"] for r in runs) < min(r["finished_at"] for r in runs)
     # A clean shutdown leaves nothing of ours on the cluster.
@@ -170,3 +173,15 @@ def test_a_cluster_that_cannot_be_reached_is_said_in_one_line(tmp_path: Path) ->
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"decodebench: cannot reach the Ray cluster at {address}"), done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_auto_is_refused_for_it_would_join_any_cluster_on_the_machine(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "service"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "DECODEBENCH_DATA_DIR": str(tmp_path / "var"), "DECODEBENCH_RAY_ADDRESS": "auto"},
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("decodebench: DECODEBENCH_RAY_ADDRESS: auto would join whichever Ray cluster "
+                           "runs on this machine"), done.stderr[-2000:]
+    assert "HOST:6379" in last and "Traceback" not in done.stderr

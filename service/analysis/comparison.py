@@ -4,9 +4,11 @@ An *arm* is what one side of a comparison measured: the trials of one group (a r
 ``repeats``) or one run. A figure of an arm is the mean of its trials with a Student-t
 interval when it has two or more succeeded trials, else the one trial's value with its
 bootstrap interval over requests. B against A is the ratio B/A of a statistic: over
-trials (Welch t on the logs) when both arms have two or more trials, else a two-sample
-bootstrap over their requests (see ``service.analysis.intervals``). Only the first method sees
-run-to-run drift; every answer says which one it used.
+pairs (paired t on the logs) where the arms ran as fill/prefill pairs, over trials (Welch t
+on the logs) when both arms have two or more trials, else a two-sample bootstrap over their
+requests (see ``service.analysis.intervals`` and ``pairs``). Only the first two see
+run-to-run drift; every answer says which one it used, and where it lies against the
++-5% tolerance in the words the sweep's verdict uses.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from service.analysis.intervals import (
     ratio_by_requests,
     ratio_by_trials,
 )
-from service.analysis.pairs import ratio_by_pairs
+from service.analysis.pairs import pair_looks, ratio_by_pairs
 from service.analysis.steady_window import wait_windows
 from service.analysis.summary_intervals import request_values
 from service.core.errors import Conflict, NotFound, shown
 from service.core.spec import point_key
 from service.core.status import FINISHED, MEASURED
-from service.storage import baselines, measurements, store
+from service.storage import baselines, measurements, store, sweeps
 from service.storage.tables import Run
 
 
@@ -153,7 +155,7 @@ def figure(arm: Arm, key: str) -> dict[str, Any] | None:
         assert spread is not None
         out = spread.as_dict()
         return {"value": out["mean"], "ci": out["ci"], "cv": out["cv"], "n": out["n"],
-                "method": "Student t over trials"}
+                "method": spread.method}
     summary = arm.ok[0].summary or {}
     ci = summary.get(f"{key}_ci")
     return {"value": values[0], "ci": ci if isinstance(ci, list) else None, "cv": None, "n": 1,
@@ -204,6 +206,21 @@ def ratio(engine: Engine, a: Arm, b: Arm, metric: Metric, seed: int = 0,
 # What a difference found over the requests of one run a side is said to be, at a level.
 WITHIN_RUNS = ("different at {level} within these two runs; drift between runs is not in this interval: "
                "repeat both to tell")
+# The tolerance a change is held to beside "is there one at all": within it, two setups
+# give the same answer for practical purposes (fill against real prefill: a match).
+TOLERANCE = (0.95, 1.05)
+
+
+def tolerance_words(lo: float, hi: float, differs: bool) -> str:
+    """Where an interval of a ratio lies against ``TOLERANCE``, in the words every page and
+    the command line use: ``beyond +-5%`` (wholly outside), ``within +-5%`` (wholly
+    inside), else what is not shown."""
+    pct = f"+-{round(100 * (TOLERANCE[1] - 1))}%"
+    if lo > TOLERANCE[1] or hi < TOLERANCE[0]:
+        return f"beyond {pct}"
+    if TOLERANCE[0] <= lo and hi <= TOLERANCE[1]:
+        return f"within {pct}"
+    return f"beyond {pct} not shown" if differs else f"within {pct} not shown"
 
 
 def change(engine: Engine, a: Arm, b: Arm, metric: Metric,
@@ -216,9 +233,10 @@ def change(engine: Engine, a: Arm, b: Arm, metric: Metric,
     if found is None:
         why = ("needs two or more succeeded trials on both sides" if metric.values is None
                else "not enough requests, or a figure of 0")
-        return out | {"ratio": None, "ci": None, "method": None, "verdict": "no interval",
-                      "direction": None, "message": f"no interval: {why}", "across_runs": None,
-                      "pairs": None, "log_sd": None}
+        return out | {"ratio": None, "ci": None, "method": None, "confidence": confidence,
+                      "verdict": "no interval", "direction": None, "tolerance": None,
+                      "message": f"no interval: {why}", "across_runs": None, "pairs": None,
+                      "log_sd": None}
     direction = None
     if found.differs():
         worse = (found.value > 1) != metric.higher_is_better
@@ -232,11 +250,14 @@ def change(engine: Engine, a: Arm, b: Arm, metric: Metric,
     # The interval's own confidence: a sweep's until_decided looks take theirs corrected.
     level = f"{100 * confidence:.3g}%"
     said = f"different at {level}" if across else WITHIN_RUNS.format(level=level)
+    band = tolerance_words(found.lo, found.hi, found.differs())
     message = (f"{pct:+.1f}% [{(found.lo - 1) * 100:+.1f}%, {(found.hi - 1) * 100:+.1f}%]: "
-               + (f"{direction} ({said})" if direction else f"not distinguishable at {level}"))
+               + (f"{direction} ({said})" if direction else f"not distinguishable at {level}")
+               + f"; {band}")
     return out | {"ratio": found.value, "ci": [found.lo, found.hi], "method": found.method,
-                  "verdict": verdict, "direction": direction, "message": message,
-                  "across_runs": across, "pairs": found.pairs, "log_sd": found.log_sd}
+                  "confidence": confidence, "verdict": verdict, "direction": direction,
+                  "tolerance": band, "message": message, "across_runs": across,
+                  "pairs": found.pairs, "log_sd": found.log_sd}
 
 
 # Finished arms never change, so what was worked out for them is kept (bootstraps cost
@@ -262,25 +283,47 @@ def _cached(key: tuple[Any, ...], arms: Sequence[Arm], compute: Callable[[], Any
     return value
 
 
+def rule_confidence(engine: Engine, a: Arm, b: Arm) -> float:
+    """The confidence B against A is taken at: a sweep's ``until_decided`` looks' own
+    (Bonferroni-corrected) where A and B are points of one such sweep, so its verdict and
+    this comparison give one answer; else ``CONFIDENCE``."""
+    ids = {r.sweep_id for r in (*a.runs, *b.runs)}
+    sweep_id = ids.pop() if len(ids) == 1 else None
+    if sweep_id is None:
+        return CONFIDENCE
+    sweep = sweeps.sweep_row(engine, sweep_id)
+    until = ((sweep.options if sweep is not None else None) or {}).get("until_decided")
+    if not until or sweep is None:
+        return CONFIDENCE
+    repeats = int(sweep.base.get("repeats", 1))
+    return pair_looks(max(repeats, 2), int(until["max_pairs"])).confidence
+
+
 def compare(engine: Engine, ids: Sequence[str], keys: Sequence[str] | None = None) -> dict[str, Any]:
-    """Each arm after the first against the first, metric by metric (``GET /api/compare``)."""
+    """Each arm after the first against the first, metric by metric (``GET /api/compare``);
+    ``methods``: how the intervals shown were found, each once."""
     arms = [load_arm(engine, i) for i in ids]
     metrics = [BY_KEY[k] for k in keys] if keys else list(COMPARED)
 
     def compute() -> dict[str, Any]:
-        rows = []
+        rows: list[dict[str, Any]] = []
+        levels = {arm.id: rule_confidence(engine, arms[0], arm) for arm in arms[1:]}
         for metric in metrics:
             rows.append({
                 "metric": metric.key,
                 "better": "higher" if metric.higher_is_better else "lower",
                 "values": [{"arm": arm.id, **(figure(arm, metric.key) or {"value": None, "ci": None})}
                            for arm in arms],
-                "changes": [change(engine, arms[0], arm, metric) for arm in arms[1:]],
+                "changes": [change(engine, arms[0], arm, metric, levels[arm.id]) for arm in arms[1:]],
             })
+        methods = [m for m in dict.fromkeys(c["method"] for row in rows for c in row["changes"]) if m]
         return {
             "reference": arms[0].id,
             "arms": [{"id": arm.id, "runs": [r.id for r in arm.runs],
                       "succeeded": [r.id for r in arm.ok], "spec": arm.spec} for arm in arms],
+            "methods": methods,
+            "figure_methods": [m for m in dict.fromkeys(
+                v.get("method") for row in rows for v in row["values"]) if m],
             "metrics": rows,
         }
 

@@ -13,6 +13,7 @@ from sqlalchemy import Engine
 from service.analysis.comparison import (
     BY_KEY,
     POINT_FIGURES,
+    TOLERANCE,
     Arm,
     _cached,
     arms_of,
@@ -26,6 +27,7 @@ from service.analysis.looks import Looks
 from service.analysis.pairs import (
     DECIDING_HALF_WIDTH,
     PRIOR_LOG_SD,
+    SENSIBLE_PAIRS,
     next_look,
     pair_looks,
     pairs_needed,
@@ -35,8 +37,9 @@ from service.analysis.pairs import (
 from service.storage.tables import Run
 
 # How far fill may sit from real prefill and still be called a match (ratio of decode ITL
-# or TPOT, fill over prefill, whose whole interval must lie inside).
-MATCH_BAND = (0.95, 1.05)
+# or TPOT, fill over prefill, whose whole interval must lie inside): the tolerance every
+# comparison is held to.
+MATCH_BAND = TOLERANCE
 FILL_METRICS = ("decode_median_itl_ms", "decode_median_tpot_ms")
 
 
@@ -74,20 +77,36 @@ def by_the_rule(log_ratios: Sequence[float], plan: Looks,
 
 def _needed(c: dict[str, Any], pairs: int, prior: float) -> int | None:
     """Pairs that would bring this ratio's interval within +-5% (or, when it is that narrow
-    already and still undecided, within its distance to the nearer end of the band)."""
+    already and still undecided, within its distance to the nearer end of the band); None
+    when that is more than ``SENSIBLE_PAIRS`` (or never)."""
     sd = c["log_sd"] if c.get("log_sd") is not None else prior
     n = pairs_needed(sd)
     if n is not None and n <= pairs and c["ratio"]:
         log_r = math.log(c["ratio"])
         edge = min(abs(log_r - math.log(MATCH_BAND[0])), abs(log_r - math.log(MATCH_BAND[1])))
         n = pairs_needed(sd, min(edge, DECIDING_HALF_WIDTH)) if edge > 0 else None
-    return n
+    return n if n is not None and n <= SENSIBLE_PAIRS else None
 
 
-def _ratio_text(c: dict[str, Any]) -> str:
+# What an undecided point needs when more pairs than anyone would run are needed.
+TOO_NOISY = (f"more pairs will not decide it: over {SENSIBLE_PAIRS} would be needed, the difference "
+             "is too small to tell at this machine's noise (a quieter machine, or more prompts per run, "
+             "narrows it)")
+
+NAMES = {"decode_median_itl_ms": "decode ITL", "decode_median_tpot_ms": "decode TPOT"}
+
+
+def _ratio_text(c: dict[str, Any], words: bool = True, against: str = "prefill") -> str:
+    """A ratio as the compare page says it: fill against ``against`` (prefill or seeded) in
+    percent with its interval, then (``words``) the verdict and where it lies against the
+    tolerance."""
+    name = NAMES.get(c["metric"], c["metric"])
     if not c["ci"]:
-        return "no interval"
-    return f"{c['ratio']:.3g} [{c['ci'][0]:.3g}, {c['ci'][1]:.3g}]"
+        return f"{name}: no interval"
+    if not words:
+        lo, hi = ((x - 1) * 100 for x in c["ci"])
+        return f"{name} fill/{against} {(c['ratio'] - 1) * 100:+.1f}% [{lo:+.1f}%, {hi:+.1f}%]"
+    return f"{name} fill/{against} {c['message']}"
 
 
 def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, Arm]],
@@ -127,18 +146,19 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
             wants = [_needed(c if not by_requests else c | {"log_sd": None}, max(n_pairs, 1), prior)
                      for c in changes]
             needed = None if None in wants else max(w for w in wants if w is not None)
-        head = changes[0]
-        line = f"{verdict}: {_ratio_text(head)} over {n_pairs} pair{'s' if n_pairs != 1 else ''}"
+        # The figure the verdict rests on: the first that differs, else the first undecided.
+        head = next((c for c in changes if c["state"] == verdict), changes[0])
+        plural = "s" if n_pairs != 1 else ""
+        line = f"{verdict} over {n_pairs} pair{plural}: {_ratio_text(head, against=against)}"
         if one_pair:
             run = f"run {needed} pairs" if needed else "run more pairs"
-            line = f"one pair: cannot tell; {run} ({_ratio_text(head)} by a bootstrap over " \
+            line = f"one pair: cannot tell; {run} ({_ratio_text(head, False, against)} by a bootstrap over " \
                    "requests, which cannot see drift between runs)"
         elif by_requests:
             line = (f"cannot tell from {n_pairs} complete pair(s) and a bootstrap over requests; "
-                    f"run {needed or 'more'} pairs ({_ratio_text(head)})")
+                    f"run {needed or 'more'} pairs ({_ratio_text(head, False, against)})")
         elif verdict == "undecided":
-            line += (f"; about {needed} pairs would decide" if needed
-                     else "; more pairs will not decide it soon: the pairs disagree too much")
+            line += f"; about {needed} pairs would decide" if needed else f"; {TOO_NOISY}"
         state = {"needed": needed, "more": max(needed - n_pairs, 0) if needed else None}
         if rule is not None:
             upcoming = next_look(rule, n_pairs) if verdict == "undecided" and not stopped else None
@@ -147,8 +167,8 @@ def fill_vs_prefill(engine: Engine, pairs: Sequence[tuple[dict[str, Any], Arm, A
                      else f"; until decided: stopped{f' ({stopped})' if stopped else ''} at look "
                      f"{rule.reached(n_pairs)} of {len(rule.counts)} ({100 * confidence:.3g}% per "
                      "look, Bonferroni)")
-        details = "; ".join(f"{c['metric']} fill/{against} {_ratio_text(c)}"
-                            + (f" ({c['method']})" if c["ci"] else "") for c in changes)
+        details = "; ".join(_ratio_text(c, against=against) + (f" ({c['method']})" if c["ci"] else "")
+                            for c in changes)
         lo, hi = MATCH_BAND
         # ``prefill``: the arm fill is compared with, real prefill or seeded (``against``).
         out.append({"point": point, "fill": fill.id, "prefill": prefill.id, "against": against,

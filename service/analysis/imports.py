@@ -44,6 +44,8 @@ HEADER_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokeniz
                "num_prompts", "request_rate", "burstiness", "max_concurrency",
                "ramp_up_strategy", "ramp_up_start_rps", "ramp_up_end_rps")
 OTHER_KNOWN = ("rtfx", "e2els_including_queue")
+# Figures of the file that are counts (vLLM writes them as integers).
+INTEGER_KEYS = ("completed", "failed", "total_input_tokens", "total_output_tokens", "max_concurrent_requests")
 # Counts (requests, tokens) the database holds as they are.
 MAX_COUNT = 2**53
 COUNT_KEYS = ("num_prompts", "completed", "failed", "total_input_tokens", "total_output_tokens")
@@ -187,6 +189,8 @@ def _summary(body: Mapping[str, Any], samples: Sequence[Sample], duration: float
     for key, value in body.items():
         if key in SUMMARY_KEYS or key.endswith("_ms"):
             summary[key] = None if value is None else _number(body, key)
+            if key in INTEGER_KEYS and summary[key] is not None and summary[key] == int(summary[key]):
+                summary[key] = int(summary[key])  # counts stay counts: "8 requests", not "8.00"
     if samples:
         ours: dict[str, Any] = {**summarize(samples, duration), **summary_intervals(samples)}
         summary |= {k: v for k, v in ours.items() if k not in summary}
@@ -256,6 +260,9 @@ def read_result(body: Any, offset: timedelta = timedelta(0)) -> Imported:
                       f"{str(body['date'])[:40]!r}") from exc
     duration = _number(body, "duration")
     samples = _samples(body)
+    if int(body["completed"]) == 0 or (samples and not any(s.success for s in samples)):
+        raise Invalid(f"every request of the result file failed (completed {int(body['completed'])}, "
+                      f"failed {int(body['failed'])}): it measured nothing to import")
     spec = _spec(body, samples)
     provenance = _provenance(body, spec, bool(samples))
     provenance["imported"]["date_utc_offset"] = _offset_text(offset)

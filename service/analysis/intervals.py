@@ -10,7 +10,8 @@ Three kinds of uncertainty, each with its own method:
   resampling gaps would treat 128 gaps of one request as 128 independent draws and make
   the interval far too narrow.
 - Across repeated trials of one point, the mean of the trials' values gets a Student-t
-  interval, and the spread its coefficient of variation. Run-to-run drift on a shared
+  interval (on the logs where a positive figure's interval would reach below zero), and
+  the spread its coefficient of variation. Run-to-run drift on a shared
   machine is usually larger than the noise within one trial, so when trials exist they
   are what a comparison rests on.
 
@@ -184,17 +185,24 @@ def quantile_ci(values: Sequence[float] | np.ndarray, q: float, confidence: floa
                               confidence, n_resamples, seed)
 
 
+# How the interval of a mean over trials was found.
+T_MEAN = "Student t over trials"
+T_LOGS = "Student t on the logs over trials (the interval on the mean would fall below zero)"
+
+
 @dataclass(frozen=True)
 class Spread:
     """Repeated trials of one figure: their mean with a Student-t interval, the
     coefficient of variation (sample std / mean) and the number of trials. With one
-    trial the interval and the CV are unknown (NaN)."""
+    trial the interval and the CV are unknown (NaN). ``method``: ``T_MEAN``, or ``T_LOGS``
+    for a positive figure whose interval on the mean would reach below zero."""
 
     mean: float
     lo: float
     hi: float
     cv: float
     n: int
+    method: str = T_MEAN
 
     def as_dict(self) -> dict[str, float | int | list[float] | None]:
         """For the API: NaN becomes None."""
@@ -205,7 +213,10 @@ class Spread:
 
 def across_trials(values: Sequence[float] | np.ndarray, confidence: float = CONFIDENCE) -> Spread | None:
     """The mean of the trials' values with its Student-t interval (n - 1 degrees of
-    freedom) and CV; None without values."""
+    freedom) and CV; None without values. Where every value is positive (a latency, a
+    throughput) and that interval would reach below zero, the t interval is taken on the
+    logs instead (around the geometric mean, which a positive figure's interval keeps above
+    zero), and ``method`` says so."""
     x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
     if not x.size:
         return None
@@ -217,6 +228,12 @@ def across_trials(values: Sequence[float] | np.ndarray, confidence: float = CONF
         return Spread(mean, mean, mean, 0.0, int(x.size))
     lo, hi = stats.t.interval(confidence, x.size - 1, loc=mean, scale=sd / math.sqrt(x.size))
     cv = sd / mean if mean else math.nan
+    if lo <= 0 and bool((x > 0).all()):
+        logs = np.log(x)
+        lo, hi = np.exp(stats.t.interval(confidence, x.size - 1, loc=float(logs.mean()),
+                                         scale=float(logs.std(ddof=1)) / math.sqrt(x.size)))
+        # The mean lies above the geometric mean; an interval that must hold it is widened to it.
+        return Spread(mean, float(lo), max(float(hi), mean), cv, int(x.size), T_LOGS)
     return Spread(mean, float(lo), float(hi), cv, int(x.size))
 
 

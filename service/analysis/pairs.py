@@ -41,6 +41,9 @@ DECIDING_HALF_WIDTH = 0.05
 PRIOR_LOG_SD = 0.04
 # No answer above this: a spread this wide will not be decided by adding pairs.
 MAX_NEEDED = 1000
+# The most pairs a point is advised to run (and may be added at once): past it the advice
+# is that the difference is too small for the machine's noise, not a count nobody will run.
+SENSIBLE_PAIRS = 32
 
 
 def log_ratios(a: Sequence[float], b: Sequence[float]) -> np.ndarray:

@@ -81,11 +81,12 @@ def steady_gaps(samples: Sequence[Sample], min_decoding: int = 0,
     return [np.asarray(s.itl, dtype=np.float64)[keep] for s, keep in zip(ok, masks, strict=True)]
 
 
-def prefill_stall(samples: Sequence[Sample]) -> dict[str, object]:
-    """Decode paused by other requests' prefills: the share of the streams' decode time
-    (sum of their gaps) spent in gaps outside the steady decode window, that is while
-    another request of the run waited for its first token; with what it means. Expected
-    of real prefill at concurrency above one, and the reason ``decode_*`` keys exist."""
+def prefill_stall(samples: Sequence[Sample], mode: str = "prefill") -> dict[str, object]:
+    """Decode paused by other requests' prefills (``mode`` fill: by their fills): the share
+    of the streams' decode time (sum of their gaps) spent in gaps outside the steady decode
+    window, that is while another request of the run waited for its first token; with what
+    it means. Expected of real prefill at concurrency above one, and the reason ``decode_*``
+    keys exist."""
     ok = [s for s in samples if s.success]
     masks = steady_masks(ok)
     total = stalled = 0.0
@@ -96,7 +97,12 @@ def prefill_stall(samples: Sequence[Sample]) -> dict[str, object]:
         stalled += float(itl[~keep].sum())
         gaps += int((~keep).sum())
     share = stalled / total if total > 0 else 0.0
+    if mode == "fill":
+        why = ("while another request's KV cache was being filled (the connector's fill step, "
+               "in place of its prefill): decode waits for that step as it would for a prefill")
+    else:
+        why = ("while another request was being prefilled (decode paused by its prefill): expected "
+               "of real prefill at concurrency above one")
     return {"share": round(share, 4), "gaps": gaps, "message": (
-        f"{share:.0%} of decode time was in {gaps} gaps while another request was being "
-        "prefilled (decode paused by its prefill): expected of real prefill at concurrency "
-        "above one; median ITL and TPOT include those pauses, the decode_* figures leave them out")}
+        f"{share:.0%} of decode time was in {gaps} gaps {why}; median ITL and TPOT include those "
+        "pauses, the decode_* figures leave them out")}

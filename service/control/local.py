@@ -43,7 +43,14 @@ from service.control.procs import (
     log_head,
     stop_process_group,
 )
-from service.control.startup_errors import engine_failed, failure_message, is_wrapper, root_cause
+from service.control.startup_errors import (
+    clock,
+    engine_failed,
+    failure_message,
+    is_wrapper,
+    root_cause,
+    startup_phase,
+)
 from service.control.vllm_cli import kv_capacity, model_vocab_size, served_max_model_len, worker_argv
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
@@ -60,6 +67,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # (each ask may take its whole timeout: vLLM binds its port long before it answers).
 LOG_POLL_S = 0.25
 HEALTH_POLL_S = 0.5
+# How often the service's log says what a server that is still starting is doing.
+STARTING_LINE_S = 15.0
 HEALTH_TIMEOUT_S = 2.0
 # Once the log says the engine failed: how long its root cause may take to follow (the
 # marker line can come before the traceback that names it).
@@ -143,7 +152,7 @@ class LocalServers:
             cpu_binding=cpu_binding,
             provenance={"launch": provenance.launch(argv, env, token)},
         ))
-        log.info("starting worker %s for %s on port %s", worker_id, spec.model, port)
+        log.info("starting vLLM server %s for %s on port %s (log %s)", worker_id, spec.model, port, log_path)
         process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -197,7 +206,8 @@ class LocalServers:
         # worker that is not busy is idle to placement, which would give it to a queued
         # run of the same kind while the run it was started for is still waiting for it.
         handle.ready = True
-        log.info("worker %s ready at %s", worker_id, url)
+        log.info("vLLM server %s ready at %s for run %s (%s, max_model_len %s)", worker_id, url,
+                 handle.busy_run, spec.model, handle.max_model_len)
         return handle
 
     async def _wait_healthy(self, handle: WorkerHandle) -> None:
@@ -212,13 +222,23 @@ class LocalServers:
         failed_at: float | None = None
         probe: asyncio.Task[bool] | None = None
         next_probe = 0.0
+        began = time.monotonic()
+        phase: str | None = None
+        next_line = began + STARTING_LINE_S
         try:
             while True:
                 code = process.poll()
                 if code is not None:
                     raise WorkerError(await self._start_failure(
                         handle, f"vLLM server exited with code {code} before it became healthy"))
-                if failed_at is None and engine_failed(await asyncio.to_thread(follower.new_lines)):
+                lines = await asyncio.to_thread(follower.new_lines)
+                phase = startup_phase(lines.splitlines(), phase)
+                if time.monotonic() >= next_line:
+                    # The service's terminal says what a long start is doing, not only that it waits.
+                    next_line += STARTING_LINE_S
+                    log.info("starting vLLM server %s for run %s: %s, %s", handle.id, handle.busy_run,
+                             clock(time.monotonic() - began), phase or "starting")
+                if failed_at is None and engine_failed(lines):
                     failed_at = time.monotonic()
                     log.warning("worker %s: its log says its engine failed to start", handle.id)
                 if failed_at is not None:
@@ -267,7 +287,7 @@ class LocalServers:
         await asyncio.to_thread(stop_process_group, handle.process, self.settings.worker_stop_grace_s)
         await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status=status,
                                 stopped_at=utcnow(), error=error)
-        log.info("worker %s %s", handle.id, status)
+        log.info("vLLM server %s %s%s", handle.id, status, f": {error}" if error else "")
 
     async def bury(self, handle: WorkerHandle, error: str) -> None:
         """Record that a worker died on its own; its group is still stopped."""

@@ -42,10 +42,16 @@ class ServerHost:
     """Runs on the node Ray chose, for one server: starts it, keeps its log, stops it.
     Methods are called one at a time (a threaded actor of one)."""
 
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, data_dir: str) -> None:
         self.worker_id = worker_id
-        self.dir = Path(tempfile.gettempdir()) / "decodebench"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # The service's data dir where this node has it (the service's machine, or a shared
+        # disk); a node without it writable uses its temp dir.
+        self.dir = Path(data_dir) / "ray"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            self.dir = Path(tempfile.gettempdir()) / "decodebench"
+            self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.dir / f"{worker_id}.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.meter: EnergyMeter | None = None

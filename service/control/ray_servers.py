@@ -257,7 +257,7 @@ class RayServers:
             max_concurrency=1, num_gpus=tp if on_gpu else 0,
             num_cpus=0 if on_gpu else self.settings.ray_server_cpus * tp,
         )
-        return remote.remote(worker_id)
+        return remote.remote(worker_id, str(self.settings.data_dir.resolve()))
 
     async def _placed(self, spec: RunSpec, process: RayProcess, on_gpu: bool) -> dict[str, Any]:
         """Where the server's actor landed. An actor that died before it ran (Ray placed it

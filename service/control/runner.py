@@ -294,6 +294,9 @@ class Runner:
             raise RunFailed(reason)
         if not began:
             return
+        log.info("run %s started on vLLM server %s: %s, ISL %d, OSL %d, %d prompts, concurrency %s, mode %s",
+                 self.run_id, handle.id, spec.model, spec.input_len, spec.output_len, spec.num_prompts,
+                 spec.max_concurrency, spec.mode)
         if spec.mode == "seeded":
             self.seeding = await self._seed(handle)
         duration, sent, rule = await self._measure(handle)
@@ -415,7 +418,7 @@ class Runner:
         summary: dict[str, Any] = dict(
             summarize(self.samples, duration, self.spec.goodput.model_dump(exclude_none=True)))
         summary.update(summary_intervals(self.samples))
-        summary["prefill_stall"] = prefill_stall(self.samples)
+        summary["prefill_stall"] = prefill_stall(self.samples, self.spec.mode)
         # The provenance as stored now: a connector report after the snapshot is in it.
         prov = store.get_run(self.engine, self.run_id).provenance or {}
         itl = summary.get("decode_median_itl_ms")
@@ -579,11 +582,29 @@ class Runner:
                     extra = {"error": error} if error else {}
                     self.end_written = await asyncio.to_thread(
                         store.transition, self.engine, self.run_id, status, **counts, **extra, **fields)
+                    if self.end_written:
+                        log.info("run %s %s", self.run_id, ended_line(status, error, counts, fields))
                 return
             except Exception:
                 log.exception("run %s: writing its end state failed (try %d of %d)",
                               self.run_id, attempt + 1, END_TRIES)
                 await asyncio.sleep(0.05 * 2 ** attempt)
+
+
+def ended_line(status: RunStatus, error: str | None, counts: dict[str, Any],
+               fields: dict[str, object]) -> str:
+    """How a run ended, in one line of the service's log: its outcome, requests, the decode
+    median ITL and TPOT, or the first line of its error."""
+    done = f"{counts['completed']} requests answered, {counts['failed']} failed"
+    summary = fields.get("summary")
+    figures = ""
+    if isinstance(summary, dict):
+        shown = [f"{name} {value:.2f} ms" for name, key in (("decode median ITL", "decode_median_itl_ms"),
+                                                           ("decode median TPOT", "decode_median_tpot_ms"))
+                 if isinstance(value := summary.get(key), int | float)]
+        figures = ": " + ", ".join(shown) if shown else ""
+    why = f": {error.splitlines()[0]}" if error else ""
+    return f"{status.value} ({done}){figures}{why}"
 
 
 def spec_problem(spec: RunSpec) -> str | None:

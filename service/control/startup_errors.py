@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 # What a vLLM server logs once its engine has failed to start: the server will never
@@ -178,3 +178,42 @@ def _advice(line: str) -> str | None:
         if m is not None:
             return advise(m)
     return None
+
+
+# What a starting vLLM server is doing, from the lines its log writes at each step (vLLM
+# 0.32), in the order they come: the furthest phase a line has named is where it is.
+PHASES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"non-default args|Resolved architecture"), "reading its model's config"),
+    (re.compile(r"Initializing a V1 LLM engine"), "starting its engine"),
+    (re.compile(r"Starting to load model|Loading weights|Loading safetensors|Loading model weights"),
+     "loading weights"),
+    (re.compile(r"Available KV cache memory|for KV cache|KV cache size|Memory profiling"),
+     "sizing its KV cache"),
+    (re.compile(r"Capturing CUDA graph|Compiling a graph|Dynamo bytecode transform"),
+     "compiling and capturing graphs"),
+    (re.compile(r"init engine \(.*\) took|Supported tasks"), "engine ready, starting its API server"),
+    (re.compile(r"Starting vLLM (API )?server on|Application startup complete"), "starting its API server"),
+)
+
+
+def startup_phase(lines: Iterable[str], current: str | None = None) -> str | None:
+    """The furthest phase (``PHASES``) a starting server's log lines name, or ``current``
+    when they name none further."""
+    names = [name for _, name in PHASES]
+    reached = names.index(current) if current in names else -1
+    for line in lines:
+        for rank in range(len(PHASES) - 1, reached, -1):
+            if PHASES[rank][0].search(line):
+                reached = rank
+                break
+    return names[reached] if reached >= 0 else current
+
+
+def clock(seconds: float) -> str:
+    """A start's elapsed time as people say it: ``45s``, ``1m20s``, ``1h02m``."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole // 60 % 60:02d}m"

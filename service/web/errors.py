@@ -59,6 +59,9 @@ def _json_safe(errors: Any) -> Any:
             err["loc"] = [p if not isinstance(p, str) or len(p) <= ECHO_CHARS
                           else p[:ECHO_CHARS] + "..." for p in err["loc"]]
         err.pop("url", None)
+        if isinstance(err.get("msg"), str):
+            # A validator's own sentence, without pydantic's "Value error, " before it.
+            err["msg"] = err["msg"].removeprefix("Value error, ")
         safe.append(err)
     if len(errors) > MAX_ERRORS:
         safe.append({"type": "too_many_errors", "loc": [], "input": None,

@@ -102,6 +102,9 @@ class RunLive(BaseModel):
     decode_median_itl_ms: float | None
     decode_gaps: int
     error: str | None
+    # While the run waits for its server: what for and how long ("starting vLLM server
+    # w-...: 1m20s, loading weights"); null otherwise.
+    waiting: str | None = None
 
 
 class RunList(BaseModel):

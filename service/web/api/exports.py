@@ -216,6 +216,9 @@ def export_run(
         "As --save-detailed: keep the per-request lists (input_lens, itls, ...); without it, "
         "they are left out as vLLM leaves them out"))] = True,
     label: Annotated[str | None, Query(max_length=200, description="As --label")] = None,
+    backend: Annotated[Literal["openai", "vllm"], Query(description=(
+        "As --backend: the name written under `backend` (both drive /v1/completions, streamed)"))
+    ] = "openai",
     metadata: Annotated[list[str] | None, Query(max_length=32, description=(
         "As --metadata KEY=VALUE, repeated"))] = None,
 ) -> StreamingResponse:
@@ -230,6 +233,7 @@ def export_run(
     info = _vllm_info(engine, run)
     if label is not None:
         info["label"] = label
+    info["backend"] = backend
     info["metadata"] = {**_metadata(metadata or []), **info["metadata"]}
     stats = None
     if percentile_metrics is not None or metric_percentiles is not None:

@@ -34,6 +34,7 @@ from service.web.schemas import (
     ServerMetricsSummary,
     ServerPointPublic,
 )
+from service.web.starting import starting_view
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ def submit_run(
     check_size(request, spec)
     run, created = store.create_run(engine, spec, idempotency_key)
     if created:
+        log.info("run %s queued: %s, ISL %d, OSL %d, %d prompts, concurrency %s, mode %s%s", run.id,
+                 spec.model, spec.input_len, spec.output_len, spec.num_prompts, spec.max_concurrency,
+                 spec.mode, f" ({spec.repeats} trials, group {run.group_id})" if run.group_id else "")
         scheduler.notify()
         return RunPublic.of(run)
     return JSONResponse(RunPublic.of(run).model_dump(mode="json"), status_code=200)
@@ -266,7 +270,7 @@ def get_live(run_id: str, engine: DB, scheduler: Sched) -> RunLive:
     return RunLive(id=run.id, status=run.status, completed=run.completed, failed=run.failed,
                    total=run.total, elapsed_s=elapsed, eta_s=eta,
                    decode_median_itl_ms=itl if gaps else None, decode_gaps=int(gaps or 0),
-                   error=run.error)
+                   error=run.error, waiting=(starting_view(engine, run) or {}).get("waiting"))
 
 
 @router.get(

@@ -41,7 +41,10 @@ def submit_sweep(body: SweepCreate, request: Request, engine: DB, scheduler: Sch
         check_fits(request, engine, specs)
     sweep = sweeps.create_sweep(engine, body)
     scheduler.notify()
-    return sweep_view.sweep_public(engine, sweep.id)
+    public = sweep_view.sweep_public(engine, sweep.id)
+    log.info("sweep %s queued: %s, %d runs over %s", sweep.id, body.base.model, len(public.runs),
+             ", ".join(f"{k}={v}" for k, v in (sweep.grid or {}).items()))
+    return public
 
 
 @router.get("/api/sweeps", response_model=SweepList, dependencies=READ)

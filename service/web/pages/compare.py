@@ -30,7 +30,8 @@ def compare_page(
     result = comparison.compare(engine, chosen)
     arms = [comparison.load_arm(engine, a["id"]) for a in result["arms"]]
     names = {}
-    facts = {arm.id: spec_facts(arm.spec) for arm in arms}
+    facts = {arm.id: spec_facts(arm.spec, (arm.runs[0].provenance or {}).get("imported")
+                                if arm.runs[0].status == "imported" else None) for arm in arms}
     for arm in arms:
         spec = arm.spec
         names[arm.id] = f"{arm.id} ({spec['mode']}, ISL {spec['input_len']}, c={spec['max_concurrency']})"

@@ -14,6 +14,7 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 
 from service.analysis.metrics import measured
+from service.core.spec import effective_load_format
 from service.web.auth import require_page_reader, session_state
 
 # A page router's ``dependencies``: pages are for readers (the login page itself is open).
@@ -103,14 +104,33 @@ def between(start: datetime | None, end: datetime | None) -> float | None:
     return (aware(end) - aware(start)).total_seconds()
 
 
+def _per_second(value: Any) -> str:
+    """Bytes per second in the unit its magnitude reads in: ``3.35 TB/s`` on a GPU, ``41.2 GB/s``
+    on a CPU, never ``0.00 TB/s``."""
+    return _bytes(value) + "/s"
+
+
+def _bytes(value: Any) -> str:
+    """A byte count in the unit its magnitude reads in (decimal units, 3 significant digits)."""
+    if not isinstance(value, int | float):
+        return "-"
+    for factor, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {unit}"
+    return f"{value:.3g} B"
+
+
 templates.env.filters["unit"] = _unit
+templates.env.filters["per_second"] = _per_second
+templates.env.filters["bytes"] = _bytes
 templates.env.filters["utc"] = _utc
 templates.env.filters["duration"] = _duration
 
 
-def spec_facts(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+def spec_facts(spec: Mapping[str, Any], imported: Mapping[str, Any] | None = None) -> list[tuple[str, str]]:
     """A run's setup as ``(label, value)`` pairs a reader scans: model, ISL, OSL, load, prompts,
-    mode and fill, engine."""
+    mode and fill, engine. ``imported``: an imported run's record of its file (its
+    provenance's ``imported``), whose mode is what the file says, or unknown."""
     isl = f"{spec.get('input_len')} tokens"
     if spec.get("range_ratio"):
         isl += f" ±{spec['range_ratio']:.0%}"
@@ -127,10 +147,20 @@ def spec_facts(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
     fill = spec.get("fill") or {}
     mode = (f"fill (mean {fill.get('mean')}, std {fill.get('std')})" if spec.get("mode", "fill") == "fill"
             else "prefill (real)")
+    if imported is not None:
+        said = (imported.get("metadata") or {}).get("decodebench")
+        mode = (f"{mode}, as its decodebench export says" if isinstance(said, Mapping) and said.get("mode")
+                else "unknown: imported from a vllm bench serve result file, which does not say how "
+                     "its KV cache was made")
     engine = spec.get("engine") or {}
     shown = [f"TP {engine.get('tensor_parallel_size', 1)}"]
     shown += [f"{k} {v}" for k, v in engine.items()
-              if k not in ("tensor_parallel_size", "extra_args") and v not in (None, "auto")]
+              if k not in ("tensor_parallel_size", "extra_args", "load_format") and v not in (None, "auto")]
+    if imported is None:
+        # The weights as the server loads them: a bundled model has none, so "dummy" whatever was asked.
+        load_format = effective_load_format(str(spec.get("model")), engine.get("load_format") or "auto")
+        if load_format != "auto":
+            shown.append(f"load_format {load_format}")
     shown += [str(a) for a in engine.get("extra_args") or []]
     return [("model", str(spec.get("model"))), ("ISL", isl), ("OSL", f"{spec.get('output_len')} tokens"),
             load, ("prompts", prompts), ("mode", mode), ("engine", ", ".join(shown))]

@@ -13,7 +13,6 @@ import numpy as np
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 from markupsafe import Markup
-from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from service.analysis import comparison, server_metrics
@@ -21,14 +20,13 @@ from service.analysis.metrics import measured
 from service.core.capacity import SLA_METRICS
 from service.core.protocol import connector_totals
 from service.core.shapes import catalogue
-from service.core.spec import EXTRA_ARGS, EngineSpec, effective_load_format, worker_key
+from service.core.spec import EXTRA_ARGS, effective_load_format
 from service.core.status import FINISHED, RunStatus
 from service.storage import capacity, measurements, store, sweeps, workers
-from service.storage.logs import log_tail
-from service.storage.tables import Run
 from service.web import charts
 from service.web.deps import DB, Sched
-from service.web.pages.render import PAGE, aware, between, failure_cause, spec_facts, templates
+from service.web.pages.render import PAGE, between, failure_cause, spec_facts, templates
+from service.web.starting import starting_view
 
 router = APIRouter(dependencies=PAGE, include_in_schema=False)
 
@@ -45,35 +43,6 @@ METRIC_GROUPS: list[tuple[str, list[str]]] = [
 ]
 LATENCIES = ["ttft", "tpot", "itl", "e2el"]
 STATS = ["mean", "median", "std", "p50", "p90", "p95", "p99"]
-LOG_LINE_CHARS = 400
-
-
-def starting_view(engine: Engine, run: Run) -> dict[str, Any] | None:
-    """While a run is ``starting``: the server being started for it, how long that has taken
-    against the last start of the same model (and engine, where one is known), and the last
-    line of its log."""
-    if run.status != RunStatus.starting.value:
-        return None
-    try:
-        key: str | None = worker_key(run.model, EngineSpec.model_validate(run.spec.get("engine", {})))
-    except ValidationError:
-        key = None
-    found = workers.workers_of_model(engine, run.model, 100)
-    current = next((w for w in found if w.status == "starting" and (key is None or w.key == key)),
-                   next((w for w in found if w.status == "starting"), None))
-    if current is None:
-        return {"worker": None}
-    earlier = [w for w in found if w.ready_at is not None and not w.external
-               and aware(w.created_at) < aware(current.created_at)]
-    last = next((w for w in earlier if w.key == current.key), earlier[0] if earlier else None)
-    line = log_tail(Path(current.log_path), 1)
-    return {
-        "worker": current,
-        "elapsed_s": between(current.created_at, datetime.now(UTC)),
-        "last_start_s": between(last.created_at, last.ready_at) if last else None,
-        "last_same_engine": last is not None and last.key == current.key,
-        "last_line": line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS - 1] + "…",
-    }
 
 
 # The ended servers the index page lists (their logs are kept: ``Settings.worker_logs_kept``).
@@ -183,7 +152,8 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
         request,
         "run.html",
         {
-            "facts": spec_facts(run.spec),
+            "facts": spec_facts(run.spec, (run.provenance or {}).get("imported")
+                                if run.status == "imported" else None),
             "took_s": between(run.started_at, ended),
             "cause": cause,
             "log_lines": log_lines,
@@ -196,6 +166,9 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
             "server_view": server_view(measurements.server_points(engine, run_id), values.starts,
                                        values.latencies),
             "worker": worker,
+            # The engine as the server ran it: a bundled model loads dummy weights whatever was asked.
+            "worker_engine": {**worker.engine, "load_format": effective_load_format(
+                worker.model, worker.engine.get("load_format") or "auto")} if worker else None,
             "worker_log_kept": bool(worker and worker.log_path and Path(worker.log_path).exists()),
             "logs_kept": request.app.state.settings.worker_logs_kept,
             "run": run,
