@@ -12,7 +12,7 @@ EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-dev browser compose-tool run test lint bench clean
+.PHONY: setup setup-dev browser compose-tool run test test-quick lint bench clean
 
 setup: $(VENV)/.installed-$(EXTRA)
 
@@ -51,6 +51,11 @@ lint: setup-dev
 
 test: setup-dev browser compose-tool lint
 	$(PY) -m pytest -x -q --durations=25
+
+# The edit-test loop: every test but those that start a real vLLM server (e2e), a Ray
+# cluster or a browser, or fuzz for minutes (slow). No lint; `make test` is the whole suite.
+test-quick: setup-dev compose-tool
+	$(PY) -m pytest -x -q --durations=10 -m "not e2e and not slow"
 
 # token_stub.py (the stub server) and harness.py (process helpers) are not benchmarks.
 BENCHES := $(filter-out benchmarks/token_stub.py benchmarks/harness.py,$(wildcard benchmarks/*.py))

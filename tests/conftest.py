@@ -96,6 +96,26 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         yield c
 
 
+@pytest.fixture(scope="module")
+def shared_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedTestClient]:
+    """One service for the tests of a module that leave no state on it (refusals,
+    validation, sessions held by the client): built once, not once a test."""
+    with make_client(tmp_path_factory.mktemp("shared")) as served:
+        yield served
+
+
+@pytest.fixture
+def shared_client(shared_service: ServedTestClient) -> Iterator[TestClient]:
+    """A client of its own (headers, cookies) on the module's ``shared_service``; its
+    requests run on that service's event loop, as the service's own client's do."""
+    client = TestClient(shared_service.app, headers=AUTH)
+    client.portal = shared_service.portal
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 @pytest.fixture
 def stub_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., TestClient]]:
     """Start a service (``env``: the stub knobs its next workers start with, for a worker

@@ -54,45 +54,45 @@ def test_submit_returns_201_with_the_run_queued_and_defaults_filled(client: Test
          "leave request_rate null"),
     ],
 )
-def test_bad_spec_is_422_with_a_message(client: TestClient, body: dict[str, Any], needle: str) -> None:
-    response = client.post("/api/runs", json=body)
+def test_bad_spec_is_422_with_a_message(shared_client: TestClient, body: dict[str, Any], needle: str) -> None:
+    response = shared_client.post("/api/runs", json=body)
     assert response.status_code == 422, response.text
     assert needle in _detail_text(response)
 
 
-def test_sweep_of_request_rates_over_a_ramp_up_is_422(client: TestClient) -> None:
+def test_sweep_of_request_rates_over_a_ramp_up_is_422(shared_client: TestClient) -> None:
     base = {"num_prompts": 2, "ramp_up": {"strategy": "linear", "start_rps": 1, "end_rps": 10}}
-    response = client.post("/api/sweeps", json={"base": base, "grid": {"request_rate": [None, 4.0]}})
+    response = shared_client.post("/api/sweeps", json={"base": base, "grid": {"request_rate": [None, 4.0]}})
     assert response.status_code == 422, response.text
     assert "leave request_rate null" in _detail_text(response)
-    assert client.get("/api/runs").json()["total"] == 0
+    assert shared_client.get("/api/runs").json()["total"] == 0
 
 
-def test_body_that_is_not_json_is_422(client: TestClient) -> None:
-    response = client.post("/api/runs", content=b"{nope", headers={"Content-Type": "application/json"})
+def test_body_that_is_not_json_is_422(shared_client: TestClient) -> None:
+    response = shared_client.post("/api/runs", content=b"{nope", headers={"Content-Type": "application/json"})
     assert response.status_code == 422
 
 
-def test_body_over_the_limit_is_413(client: TestClient) -> None:
-    response = client.post(
+def test_body_over_the_limit_is_413(shared_client: TestClient) -> None:
+    response = shared_client.post(
         "/api/runs", content=b" " * (2 << 20), headers={"Content-Type": "application/json"}
     )
     assert response.status_code == 413
     assert "over" in _detail_text(response)
 
 
-def test_unknown_run_is_404_in_every_route(client: TestClient) -> None:
+def test_unknown_run_is_404_in_every_route(shared_client: TestClient) -> None:
     for path in ("/api/runs/r-nope", "/api/runs/r-nope/requests", "/api/runs/r-nope/export",
                  "/runs/r-nope"):
-        response = client.get(path)
+        response = shared_client.get(path)
         assert response.status_code == 404, path
         assert "r-nope" in _detail_text(response)
-    assert client.post("/api/runs/r-nope/cancel").status_code == 404
+    assert shared_client.post("/api/runs/r-nope/cancel").status_code == 404
 
 
-def test_list_with_unknown_status_is_422(client: TestClient) -> None:
-    assert client.get("/api/runs?status=sleeping").status_code == 422
-    assert client.get("/api/runs?limit=0").status_code == 422
+def test_list_with_unknown_status_is_422(shared_client: TestClient) -> None:
+    assert shared_client.get("/api/runs?status=sleeping").status_code == 422
+    assert shared_client.get("/api/runs?limit=0").status_code == 422
 
 
 def test_same_idempotency_key_and_body_gives_the_same_run(client: TestClient) -> None:
@@ -132,8 +132,8 @@ def test_connector_fill_without_token_is_401(client: TestClient) -> None:
     assert response.status_code == 401
 
 
-def test_healthz_reports_db_and_scheduler(client: TestClient) -> None:
-    body = client.get("/healthz").json()
+def test_healthz_reports_db_and_scheduler(shared_client: TestClient) -> None:
+    body = shared_client.get("/healthz").json()
     assert body == {"status": "ok", "db": "ok", "scheduler": "ok"}
 
 
@@ -163,8 +163,8 @@ def test_healthz_of_a_broken_database_says_so_without_its_error_text(
     assert SECRET in caplog.text
 
 
-def test_openapi_documents_every_route(client: TestClient) -> None:
-    paths = client.get("/openapi.json").json()["paths"]
+def test_openapi_documents_every_route(shared_client: TestClient) -> None:
+    paths = shared_client.get("/openapi.json").json()["paths"]
     for path in ("/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/cancel",
                  "/api/runs/{run_id}/requests", "/api/runs/{run_id}/export",
                  "/api/workers", "/api/connector/fill"):

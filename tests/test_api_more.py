@@ -42,22 +42,22 @@ def _messages(response: Any) -> list[str]:
 # ------------------------------------------------------------------ unknown fields
 
 
-def test_an_unknown_field_is_answered_with_the_closest_valid_name(client: TestClient) -> None:
-    response = client.post("/api/runs", json={**SMALL, "input_length": 64})
+def test_an_unknown_field_is_answered_with_the_closest_valid_name(shared_client: TestClient) -> None:
+    response = shared_client.post("/api/runs", json={**SMALL, "input_length": 64})
     assert response.status_code == 422
     assert "unknown field 'input_length'; did you mean 'input_len'?" in _messages(response)
 
 
-def test_an_unknown_nested_field_is_matched_against_its_own_model(client: TestClient) -> None:
-    response = client.post("/api/runs", json={"fill": {"meen": 0.1}, "engine": {"dtyp": "float32"}})
+def test_an_unknown_nested_field_is_matched_against_its_own_model(shared_client: TestClient) -> None:
+    response = shared_client.post("/api/runs", json={"fill": {"meen": 0.1}, "engine": {"dtyp": "float32"}})
     assert response.status_code == 422
     messages = _messages(response)
     assert "unknown field 'meen'; did you mean 'mean'?" in messages
     assert "unknown field 'dtyp'; did you mean 'dtype'?" in messages
 
 
-def test_an_unknown_sweep_field_gets_a_grid_name_or_a_base_name(client: TestClient) -> None:
-    response = client.post("/api/sweeps", json={"base": {"num_promts": 2},
+def test_an_unknown_sweep_field_gets_a_grid_name_or_a_base_name(shared_client: TestClient) -> None:
+    response = shared_client.post("/api/sweeps", json={"base": {"num_promts": 2},
                                                 "grid": {"input_lens": [64], "fill.men": [0.1]}})
     assert response.status_code == 422
     messages = _messages(response)
@@ -66,8 +66,8 @@ def test_an_unknown_sweep_field_gets_a_grid_name_or_a_base_name(client: TestClie
     assert "unknown field 'fill.men'; did you mean 'fill.mean'?" in messages
 
 
-def test_an_unknown_field_close_to_nothing_lists_the_valid_ones(client: TestClient) -> None:
-    response = client.post("/api/runs", json={"fill": {"colour": 1}})
+def test_an_unknown_field_close_to_nothing_lists_the_valid_ones(shared_client: TestClient) -> None:
+    response = shared_client.post("/api/runs", json={"fill": {"colour": 1}})
     assert response.status_code == 422
     assert _messages(response) == ["unknown field 'colour'; valid fields: mean, std, startup"]
 
@@ -85,14 +85,14 @@ def test_an_unknown_field_close_to_nothing_lists_the_valid_ones(client: TestClie
     ],
 )
 def test_a_body_not_sent_as_json_is_415_saying_how_to_send_it(
-    client: TestClient, headers: dict[str, str], body: bytes, said: str
+    shared_client: TestClient, headers: dict[str, str], body: bytes, said: str
 ) -> None:
     for path in ("/api/runs", "/api/sweeps"):
-        response = client.post(path, content=body, headers=headers)
+        response = shared_client.post(path, content=body, headers=headers)
         assert response.status_code == 415, response.text
         assert "send the body as JSON with Content-Type: application/json" in _detail(response)
         assert said in _detail(response)
-    assert client.get("/api/runs").json()["total"] == 0
+    assert shared_client.get("/api/runs").json()["total"] == 0
 
 
 def test_the_login_form_still_takes_a_form(tmp_path: Path) -> None:
@@ -152,16 +152,16 @@ def test_delete_of_a_run_that_ran_removes_it_from_the_list(client: TestClient) -
     assert len(client.get(f"/api/runs/{keep}/requests").json()) == 2
 
 
-def test_delete_of_an_unknown_run_is_404(client: TestClient) -> None:
-    response = client.delete("/api/runs/r-000000000000")
+def test_delete_of_an_unknown_run_is_404(shared_client: TestClient) -> None:
+    response = shared_client.delete("/api/runs/r-000000000000")
     assert response.status_code == 404 and "not found" in _detail(response)
 
 
 @pytest.mark.parametrize("path", ["/api/runs/{}", "/api/sweeps/{}", "/api/groups/{}",
                                   "/api/workers/{}"])
-def test_a_404_names_a_long_id_without_echoing_all_of_it(client: TestClient, path: str) -> None:
+def test_a_404_names_a_long_id_without_echoing_all_of_it(shared_client: TestClient, path: str) -> None:
     long_id = "r-" + "x" * 8000
-    response = client.get(path.format(long_id))
+    response = shared_client.get(path.format(long_id))
     assert response.status_code == 404
     detail = _detail(response)
     assert "not found" in detail and "'r-xxxx" in detail and "..." in detail

@@ -23,6 +23,9 @@ import pytest
 
 from tests.service_process import REPO, ServiceProcess
 
+# A real browser: left out of ``make test-quick``.
+pytestmark = pytest.mark.slow
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import AUTH
 from tests.service_process import ServiceProcess, pid_alive
@@ -39,6 +40,9 @@ def _wait(url: str, pred: Any, timeout: float = 30) -> dict[str, dict[str, Any]]
         time.sleep(0.05)
 
 
+# Ten kills and restarts of the service: the longest test without a real vLLM (about
+# three minutes on a busy 2-core machine), left out of ``make test-quick``.
+@pytest.mark.slow
 def test_service_killed_ten_times_loses_nothing_and_leaves_no_orphans(tmp_path: Path) -> None:
     service = ServiceProcess(tmp_path / "var", {"STUB_TOKEN_INTERVAL_S": "0.02"})
     service.start()

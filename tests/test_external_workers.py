@@ -394,12 +394,12 @@ def test_a_worker_the_service_started_cannot_be_removed(client: TestClient) -> N
     ],
 )
 def test_bad_registrations_are_422_with_the_reason(
-    client: TestClient, body: dict[str, Any], message: str
+    shared_client: TestClient, body: dict[str, Any], message: str
 ) -> None:
-    response = client.post("/api/workers", json=body)
+    response = shared_client.post("/api/workers", json=body)
     assert response.status_code == 422
     assert message in str(response.json()["detail"])
-    assert client.get("/api/workers").json() == []
+    assert shared_client.get("/api/workers").json() == []
 
 
 def test_the_same_url_twice_is_409(client: TestClient) -> None:

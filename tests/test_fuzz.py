@@ -25,6 +25,9 @@ import pytest
 from tests.conftest import API_TOKEN
 from tests.service_process import ServiceProcess
 
+# Minutes of fuzzing: left out of ``make test-quick``.
+pytestmark = pytest.mark.slow
+
 
 # Above schemathesis' own 900 s, which fails with its output.
 @pytest.mark.timeout(1200)

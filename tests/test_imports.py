@@ -38,8 +38,8 @@ def test_the_files_local_date_is_read_at_the_offset_given(client: TestClient, of
 
 
 @pytest.mark.parametrize("offset", ["2", "+15:00", "+02:61", "UTC+2", "+0200x"])
-def test_a_bad_offset_is_a_422_naming_it(client: TestClient, offset: str) -> None:
-    response = client.post("/api/imports", json=_reference(), params={"utc_offset": offset})
+def test_a_bad_offset_is_a_422_naming_it(shared_client: TestClient, offset: str) -> None:
+    response = shared_client.post("/api/imports", json=_reference(), params={"utc_offset": offset})
     assert response.status_code == 422 and "utc_offset" in response.text, response.text
 
 
@@ -126,13 +126,14 @@ def test_imported_run_can_be_the_baseline_and_is_never_scheduled(client: TestCli
         (lambda d: d["start_times"].__setitem__(0, -1e12), "the requests of the result file span"),
     ],
 )
-def test_a_file_that_is_no_result_is_422_naming_the_key(client: TestClient, change: Any, needle: str) -> None:
+def test_a_file_that_is_no_result_is_422_naming_the_key(shared_client: TestClient, change: Any,
+                                                         needle: str) -> None:
     data = copy.deepcopy(_reference())
     change(data)
-    response = client.post("/api/imports", json=data)
+    response = shared_client.post("/api/imports", json=data)
     assert response.status_code == 422, response.text
     assert needle in str(response.json()["detail"])
-    assert client.get("/api/runs").json()["total"] == 0
+    assert shared_client.get("/api/runs").json()["total"] == 0
 
 
 def test_import_of_no_object_is_422(client: TestClient) -> None:

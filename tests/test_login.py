@@ -14,6 +14,13 @@ from service.web.auth import COOKIE, LEGACY_COOKIE, SESSION_MAX_AGE_S, session_s
 from tests.conftest import API_TOKEN, ServedTestClient, make_settings
 
 
+@pytest.fixture
+def client(shared_client: TestClient) -> TestClient:
+    """A client of its own on the module's one service: a session lives in the client's
+    cookies, so no test here leaves anything on the service."""
+    return shared_client
+
+
 def _set_cookies(response: httpx.Response) -> dict[str, Morsel[str]]:
     """The cookies a response sets, by name, with their attributes."""
     jar: SimpleCookie = SimpleCookie()

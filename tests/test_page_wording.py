@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 from sqlmodel import Session
 
-from service.analysis.metrics import prefill_stall
+from service.analysis.steady_window import prefill_stall
 from service.core.sample import Sample
 from service.storage.tables import Run
 from tests.conftest import wait_finished

@@ -23,6 +23,9 @@ from service.core.tinymodel import MAX_MODEL_LEN
 from tests.conftest import free_port, make_client, wait_finished, wait_for
 from tests.service_process import ServiceProcess, pid_alive
 
+# A local Ray cluster: left out of ``make test-quick``.
+pytestmark = pytest.mark.slow
+
 NAMESPACE = "decodebench-test"
 GPU_NODES = 2
 GPUS_PER_NODE = 2

@@ -33,6 +33,9 @@ from service.load.shards import (
 from service.settings import Settings
 from tests.conftest import stub_server
 
+# A local Ray cluster: left out of ``make test-quick``.
+pytestmark = pytest.mark.slow
+
 TESTS = Path(__file__).resolve().parent
 NAMESPACE = f"decodebench-test-{uuid.uuid4().hex[:8]}"
 

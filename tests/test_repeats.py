@@ -99,10 +99,10 @@ def test_a_run_with_repeats_is_one_group_and_a_retry_makes_no_more(client: TestC
     ({"base": {**BASE, "repeats": 0}, "grid": {"input_len": [8]}}, "greater than or equal to 1"),
     ({"base": {**BASE, "repeats": 33}, "grid": {"input_len": [8]}}, "less than or equal to 32"),
 ])
-def test_bad_repeats_are_422_with_the_reason(client: TestClient, body: dict, needle: str) -> None:
-    response = client.post("/api/sweeps", json=body)
+def test_bad_repeats_are_422_with_the_reason(shared_client: TestClient, body: dict, needle: str) -> None:
+    response = shared_client.post("/api/sweeps", json=body)
     assert response.status_code == 422 and needle in response.text, response.text
-    assert client.get("/api/runs").json()["total"] == 0
+    assert shared_client.get("/api/runs").json()["total"] == 0
 
 
 def test_compare_api_gives_intervals_and_verdicts(client: TestClient) -> None:

@@ -71,17 +71,17 @@ def test_reads_need_the_token_unless_public_read(tmp_path: Path) -> None:
                     assert code in expected, (path, code)
 
 
-def test_pages_send_a_browser_to_login_and_the_cookie_lets_it_in(client: TestClient) -> None:
-    client.headers.pop("Authorization")
-    page = client.get("/runs/r-x?a=1", follow_redirects=False)
+def test_pages_send_a_browser_to_login_and_the_cookie_lets_it_in(shared_client: TestClient) -> None:
+    shared_client.headers.pop("Authorization")
+    page = shared_client.get("/runs/r-x?a=1", follow_redirects=False)
     assert page.status_code == 303 and page.headers["location"].startswith("/login?next=")
-    assert client.post("/login", data={"token": "nope", "next": "/"}).status_code == 401
-    ok = client.post("/login", data={"token": AUTH["Authorization"].split()[1], "next": "//evil.example"},
-                     follow_redirects=False)
+    assert shared_client.post("/login", data={"token": "nope", "next": "/"}).status_code == 401
+    ok = shared_client.post("/login", data={"token": AUTH["Authorization"].split()[1],
+                                            "next": "//evil.example"}, follow_redirects=False)
     assert ok.status_code == 303 and ok.headers["location"] == "/"  # never an open redirect
     cookie = ok.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie
-    assert client.get("/").status_code == 200  # the cookie works
+    assert shared_client.get("/").status_code == 200  # the cookie works
 
 
 def test_worker_token_only_reads_its_own_runs_fill(client: TestClient,
@@ -127,22 +127,23 @@ def _hostile_bodies() -> list[dict[str, Any]]:
     return bodies
 
 
-def test_hostile_values_are_refused_everywhere(client: TestClient) -> None:
+def test_hostile_values_are_refused_everywhere(shared_client: TestClient) -> None:
     refused = 0
     bodies = _hostile_bodies()
     for body in bodies:
         text = json.dumps(body, allow_nan=True)
-        response = client.post("/api/runs", content=text, headers={"Content-Type": "application/json"})
+        response = shared_client.post("/api/runs", content=text, headers={"Content-Type": "application/json"})
         assert response.status_code == 422, (body, response.status_code, response.text[:200])
         refused += 1
         sweep = json.dumps({"base": body, "grid": {"output_len": [2]}}, allow_nan=True)
-        response = client.post("/api/sweeps", content=sweep, headers={"Content-Type": "application/json"})
+        response = shared_client.post("/api/sweeps", content=sweep,
+                                      headers={"Content-Type": "application/json"})
         assert response.status_code == 422, (body, response.status_code)
     for s in HOSTILE_STRINGS[:12]:
-        assert client.get("/api/runs/" + s.replace("/", "%2F")).status_code in (404, 422)
-        assert client.get("/api/runs", params={"model": s, "status": s}).status_code == 422
+        assert shared_client.get("/api/runs/" + s.replace("/", "%2F")).status_code in (404, 422)
+        assert shared_client.get("/api/runs", params={"model": s, "status": s}).status_code == 422
     assert refused == len(bodies)
-    assert client.get("/api/runs").json()["total"] == 0  # nothing reached the queue, so no argv
+    assert shared_client.get("/api/runs").json()["total"] == 0  # nothing reached the queue, so no argv
 
 
 def test_argv_is_a_list_and_carries_only_validated_values(tmp_path: Path) -> None:
@@ -156,12 +157,12 @@ def test_argv_is_a_list_and_carries_only_validated_values(tmp_path: Path) -> Non
     assert config["kv_connector_module_path"] == "connector"
 
 
-def test_hostile_strings_on_pages_are_escaped(client: TestClient) -> None:
+def test_hostile_strings_on_pages_are_escaped(shared_client: TestClient) -> None:
     for s in HOSTILE_STRINGS:
         if s in ("", " ", "\x00") or len(s) > 500:
             continue
-        html = client.get("/", params={"model": s}).text
+        html = shared_client.get("/", params={"model": s}).text
         if "<" in s:
             assert s not in html
-        login = client.get("/login", params={"next": s}).text
+        login = shared_client.get("/login", params={"next": s}).text
         assert "<script>alert(1)</script>" not in login

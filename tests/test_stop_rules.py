@@ -58,8 +58,8 @@ def test_interval_rule_waits_for_min_prompts_and_the_width() -> None:
     ({"itl_ci_pct": 2, "min_prompts": 100}, "most requests the run may send (64"),
     ({"duration_s": -1}, "greater than 0"),
 ])
-def test_bad_stop_rules_are_422_with_the_reason(client: TestClient, stop: dict, message: str) -> None:
-    response = client.post("/api/runs", json={**BASE, "stop": stop})
+def test_bad_stop_rules_are_422_with_the_reason(shared_client: TestClient, stop: dict, message: str) -> None:
+    response = shared_client.post("/api/runs", json={**BASE, "stop": stop})
     assert response.status_code == 422
     assert message in str(response.json()["detail"])
 

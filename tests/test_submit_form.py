@@ -15,6 +15,9 @@ from tests.conftest import API_TOKEN
 from tests.service_process import ServiceProcess
 from tests.test_browser import Browser
 
+# A real browser: left out of ``make test-quick``.
+pytestmark = pytest.mark.slow
+
 FIELDS = {
     "input_len": "16", "output_len": "4", "num_prompts": "4", "max_concurrency": "2",
     "repeats": "2", "engine.load_format": "dummy", "engine.max_model_len": "4096",

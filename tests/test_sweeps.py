@@ -47,12 +47,12 @@ def test_sweep_makes_one_run_per_point_and_they_share_a_worker(client: TestClien
         ({}, "sweeps nothing"),
     ],
 )
-def test_bad_grid_is_422_and_creates_nothing(client: TestClient, grid: dict[str, Any],
+def test_bad_grid_is_422_and_creates_nothing(shared_client: TestClient, grid: dict[str, Any],
                                              needle: str) -> None:
-    response = client.post("/api/sweeps", json={"base": BASE, "grid": grid})
+    response = shared_client.post("/api/sweeps", json={"base": BASE, "grid": grid})
     assert response.status_code == 422, response.text
     assert needle in str(response.json()["detail"])
-    assert client.get("/api/runs").json()["total"] == 0
+    assert shared_client.get("/api/runs").json()["total"] == 0
 
 
 def test_unknown_sweep_is_404(client: TestClient) -> None:

@@ -289,6 +289,11 @@ class DriverHost:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_WR)
         if self._proc is not None:
+            if not self.was_ready:
+                # Still at its imports: it has forked nothing, and would see the end of its
+                # socket only once they are done (a second or two).
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.kill()
             try:
                 await asyncio.wait_for(self._proc.wait(), HOST_STOP_WAIT_S)
             except TimeoutError:
