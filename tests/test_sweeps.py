@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import pytest
@@ -99,7 +100,14 @@ def test_cancel_sweep_ends_its_runs_and_delete_then_removes_it(client: TestClien
     again = client.post(f"/api/sweeps/{sweep['id']}/cancel")
     assert again.status_code == 409 and "nothing to cancel" in again.json()["detail"]
 
-    assert client.delete(f"/api/sweeps/{sweep['id']}").status_code == 204
+    # The cancelled run may still be saving what it measured for a moment: the delete says
+    # so (409, "in a moment") and succeeds once it is saved.
+    deadline = time.monotonic() + 20
+    while (deleted := client.delete(f"/api/sweeps/{sweep['id']}")).status_code == 409:
+        assert "still saving" in deleted.json()["detail"], deleted.text
+        assert time.monotonic() < deadline, "the cancelled run never finished saving"
+        time.sleep(0.1)
+    assert deleted.status_code == 204, deleted.text
     assert client.get(f"/api/sweeps/{sweep['id']}").status_code == 404
     assert all(client.get(f"/api/runs/{r['id']}").status_code == 404 for r in sweep["runs"])
     assert client.get("/api/sweeps").json()["total"] == 0
