@@ -11,6 +11,8 @@ Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers
 ``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, and every stream after
 that at once, a stuck engine; /health hangs too,
 unless ``STUB_HANG_HEALTHY`` is set: then it answers, as a stuck engine's API server does),
+``STUB_HANG_AT_REQUEST`` (that completion request, counted from 1, and every one after it
+get no token at all: the same stuck engine, for requests of one output token),
 ``STUB_FIRST_TOKEN_S`` (each stream is silent this long before its first token, a prefill),
 ``STUB_REFUSE_REQUESTS`` (every completion is answered 400 with this message, as vLLM
 refuses a request too long for its ``--max-model-len``),
@@ -208,6 +210,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     crash_after = int(os.environ.get("STUB_CRASH_AFTER", "0"))
     hang_after = int(os.environ.get("STUB_HANG_AFTER_TOKENS", "0"))
     hang_healthy = bool(os.environ.get("STUB_HANG_HEALTHY"))
+    hang_at = int(os.environ.get("STUB_HANG_AT_REQUEST", "0"))
     first_token_s = float(os.environ.get("STUB_FIRST_TOKEN_S", "0"))
     prefill_s_per_token = float(os.environ.get("STUB_PREFILL_S_PER_TOKEN", "0"))
     prefilling = asyncio.Lock()
@@ -290,6 +293,10 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                 queued_s = time.monotonic() - queued_at
                 if run_id:
                     await connector.admitted(run_id)
+                if hang_at and number >= hang_at:
+                    state["hung"] = True
+                    print("stub: hanging as told", flush=True)
+                    await asyncio.sleep(3600)
                 await asyncio.sleep(first_token_s)  # a prefill's silence
                 if prefill_s_per_token and connector.modes.get(run_id or "") != "fill":
                     async with prefilling:  # one prefill at a time, as one engine step

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,26 @@ def test_a_seeded_run_without_the_servers_counters_fails_unproven(
     page = client.get(f"/runs/{run_id}").text
     assert "<h2>Seeding</h2>" in page and "<strong>Not proven</strong>" in page
     assert run["provenance"]["prefill"].startswith("real: vLLM prefilled every prompt once")
+
+
+def test_a_server_that_hangs_in_the_seeding_pass_fails_the_run_within_the_stall_limit(
+        stub_service: Callable[..., TestClient]) -> None:
+    # The second prompt of the seeding pass and every request after it get no token; /health
+    # still answers and the request timeout is the default 600 s.
+    client = stub_service({"STUB_HANG_AT_REQUEST": "2", "STUB_HANG_HEALTHY": "1"}, stall_s=2)
+    run_id = client.post("/api/runs", json={"mode": "seeded", "input_len": 64, "output_len": 4,
+                                            "num_prompts": 4, "max_concurrency": 2}).json()["id"]
+    started = time.monotonic()
+    run = wait_finished(client, run_id, timeout=60)
+    assert run["status"] == "failed"
+    assert run["error"].startswith("vLLM server hung during the seeding pass: none of the 2 open "
+                                   "streams got a token"), run["error"]
+    assert "stub: hanging as told" in run["error"]
+    assert time.monotonic() - started < 15
+    # No measured request was sent, and the hung server takes no more runs.
+    assert run["progress"]["completed"] == 0 and run["progress"]["failed"] == 0
+    worker = client.get(f"/api/workers/{run['worker_id']}").json()
+    assert worker["status"] == "failed" and "hung" in worker["error"]
 
 
 # ------------------------------------------------------------------ capacity searches
