@@ -264,6 +264,20 @@ def test_a_seeded_run_without_the_servers_counters_fails_unproven(
     assert run["provenance"]["prefill"].startswith("real: vLLM prefilled every prompt once")
 
 
+def test_the_seeding_pass_keeps_driver_logs_of_its_own_and_they_go_with_the_run(
+        stub_service: Callable[..., TestClient]) -> None:
+    client = stub_service()
+    logs_dir = client.app.state.settings.logs_dir  # type: ignore[attr-defined]
+    run_id = client.post("/api/runs", json={"mode": "seeded", "input_len": 64, "output_len": 4,
+                                            "num_prompts": 4, "max_concurrency": 2}).json()["id"]
+    wait_finished(client, run_id)
+    # The measured requests' drivers did not write over the seeding pass's logs.
+    assert sorted(p.name for p in logs_dir.glob(f"{run_id}.*")) == [
+        f"{run_id}.driver0.log", f"{run_id}.seeding.driver0.log"]
+    assert client.delete(f"/api/runs/{run_id}").status_code == 204
+    assert list(logs_dir.glob(f"{run_id}.*")) == []
+
+
 def test_a_server_that_hangs_in_the_seeding_pass_fails_the_run_within_the_stall_limit(
         stub_service: Callable[..., TestClient]) -> None:
     # The second prompt of the seeding pass and every request after it get no token; /health

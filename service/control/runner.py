@@ -375,7 +375,7 @@ class Runner:
         spec = self.spec.seeding_spec()
         scraper = Scraper(self.fleet.client, handle.url)
         before = await scraper.scrape()
-        drivers = self.fleet.drivers_for(self.run_id, spec, handle)
+        drivers = self.fleet.drivers_for(self.run_id, spec, handle, phase="seeding")
         # Watched as the measured requests are: a server that dies or hangs while it
         # prefills the seed set fails the run then, not at the request timeout.
         watch = self.watchdog = Watchdog(self.settings, spec, self.fleet, handle, drivers, seeding=True)
