@@ -182,6 +182,29 @@ def test_synthetic_acceptance_goes_to_vllm_as_its_speculative_config() -> None:
     assert RunSpec(engine=engine).worker_key() != RunSpec().worker_key()
 
 
+SYNTHETIC = {"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+             "synthetic_acceptance_length": 2.0}
+
+
+def test_synthetic_acceptance_on_a_cpu_machine_fails_before_a_server_starts(
+        stub_service: Callable[..., TestClient]) -> None:
+    client = stub_service()  # no GPUs
+    run_id = client.post("/api/runs", json={"input_len": 64, "output_len": 4, "num_prompts": 2,
+                                            "engine": {"speculative": SYNTHETIC}}).json()["id"]
+    run = wait_finished(client, run_id, timeout=30)
+    assert run["status"] == "failed"
+    assert run["error"].startswith('engine.speculative.rejection_sample_method "synthetic" needs a GPU '
+                                   "server"), run["error"]
+    assert "Synthetic acceptance not supported with CPU sampling" in run["error"]
+    assert "it has no GPUs" in run["error"]
+    assert run["worker_id"] is None and client.get("/api/workers").json() == []
+    # Speculative decoding without synthetic acceptance runs on a CPU.
+    plain = {**SYNTHETIC, "rejection_sample_method": None, "synthetic_acceptance_length": None}
+    ran = wait_finished(client, client.post("/api/runs", json={
+        "input_len": 64, "output_len": 4, "num_prompts": 2, "engine": {"speculative": plain}}).json()["id"])
+    assert ran["status"] == "succeeded", ran["error"]
+
+
 def test_models_say_where_a_dummy_fill_is_not_neutral(client: TestClient) -> None:
     listed = client.get("/api/models").json()
     assert listed["tiny_fill_neutral"] is True and "seeded" in listed["remedy"]
