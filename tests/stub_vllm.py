@@ -148,8 +148,9 @@ class Connector:
                 await client.post(f"{self.url}/api/connector/provenance", headers=self.headers,
                                   json=self.provenance().model_dump())
 
-    async def admitted(self, run_id: str) -> None:
-        """Count one request of ``run_id``, pulling the run's mode the first time."""
+    async def admitted(self, run_id: str, seeding: bool = False) -> None:
+        """Count one request of ``run_id`` (``seeding``: of its seeding pass, tagged so),
+        pulling the run's mode the first time."""
         if self.url is None:
             return
         async with self.lock:  # one pull per run, however many requests arrive at once
@@ -163,7 +164,8 @@ class Connector:
         counts = self.counters.setdefault(run_id, {"requests_seen": 0})
         counts["requests_seen"] += 1
         key = {"fill": "filled_requests", "prefill": "prefill_requests",
-               "seeded": "prefill_requests"}.get(mode, "unresolved_requests")
+               "seeded": "seeding_requests" if seeding else "prefill_requests"}.get(
+                   mode, "unresolved_requests")
         counts[key] = counts.get(key, 0) + 1
 
     async def report(self) -> None:
@@ -292,7 +294,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                         state["waiting"] -= 1
                 queued_s = time.monotonic() - queued_at
                 if run_id:
-                    await connector.admitted(run_id)
+                    await connector.admitted(run_id, params.get("decodebench_seeding") is True)
                 if hang_at and number >= hang_at:
                     state["hung"] = True
                     print("stub: hanging as told", flush=True)

@@ -280,10 +280,13 @@ def test_a_seeded_run_without_the_servers_counters_fails_unproven(
     seeding_done = run["summary"]["seeding"]
     assert seeding_done["prompts"] == 4 and seeding_done["seconds"] > 0
     assert seeding_done["proven"] is False and seeding_done["reused"] is None
-    # The connector left the seeding and the measured requests to vLLM.
-    assert run["connector"]["prefill_requests"] == 8 and run["connector"]["filled_requests"] == 0
+    # The connector left the seeding and the measured requests to vLLM, and told them apart.
+    connector = run["connector"]
+    assert connector["seeding_requests"] == 4 and connector["prefill_requests"] == 4
+    assert connector["filled_requests"] == 0
     page = client.get(f"/runs/{run_id}").text
     assert "<h2>Seeding</h2>" in page and "<strong>Not proven</strong>" in page
+    assert '<th>requests of the seeding pass (mode seeded)</th><td class="num">4</td>' in page
     assert run["provenance"]["prefill"].startswith("real: vLLM prefilled every prompt once")
 
 

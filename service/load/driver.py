@@ -115,7 +115,7 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
     generator = LoadGenerator(
         config.base_url, config.served_model, config.run_id,
         shard_concurrency(spec.max_concurrency, config.shard, config.shards),
-        config.request_timeout_s, cache_salt=config.cache_salt,
+        config.request_timeout_s, cache_salt=config.cache_salt, seeding=config.phase == "seeding",
     )
 
     async def beat() -> None:
