@@ -17,6 +17,8 @@ Per run, every admitted request lands in exactly one of these counters:
 
 - ``filled_requests``: filled with the run's values (mode ``fill``);
 - ``prefill_requests``: left to vLLM's prefill or prefix cache (modes ``prefill``, ``seeded``);
+- ``seeding_requests``: a seeded run's seeding pass (tagged ``decodebench_seeding``), left
+  to vLLM's prefill as well, and counted apart from the run's measured requests;
 - ``cached_requests``: nothing to fill, its prompt was in the run's own prefix
   cache (the run's ``cache_salt`` keeps other runs' blocks out);
 - ``unresolved_requests``: the run's values could not be had; prefilled;
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RUN_ID_KEY = "decodebench_run_id"
+SEEDING_KEY = "decodebench_seeding"
 
 
 def run_id_of(request: Request) -> str | None:
@@ -62,6 +65,12 @@ def run_id_of(request: Request) -> str | None:
         if isinstance(run_id, str) and run_id:
             return run_id
     return None
+
+
+def seeding(request: Request) -> bool:
+    """Whether a request is of a seeded run's seeding pass (not measured)."""
+    params = request.kv_transfer_params
+    return isinstance(params, dict) and params.get(SEEDING_KEY) is True
 
 
 class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[misc]
@@ -158,7 +167,7 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         elif params.mode in ("prefill", "seeded"):
             # A seeded run's prompts come from vLLM's prefix cache (or its prefill while
             # seeding): the connector leaves them to vLLM.
-            counts["prefill_requests"] = 1
+            counts["seeding_requests" if seeding(request) else "prefill_requests"] = 1
         elif num_external_tokens > 0:
             counts["filled_requests"] = 1
         elif self._claimed.get(req_id, 0) == 0:

@@ -11,6 +11,8 @@ Faults, by environment: ``STUB_STARTUP_DELAY_S`` (seconds before /health answers
 ``STUB_HANG_AFTER_TOKENS`` (streams stop after that many tokens, and every stream after
 that at once, a stuck engine; /health hangs too,
 unless ``STUB_HANG_HEALTHY`` is set: then it answers, as a stuck engine's API server does),
+``STUB_HANG_AT_REQUEST`` (that completion request, counted from 1, and every one after it
+get no token at all: the same stuck engine, for requests of one output token),
 ``STUB_FIRST_TOKEN_S`` (each stream is silent this long before its first token, a prefill),
 ``STUB_REFUSE_REQUESTS`` (every completion is answered 400 with this message, as vLLM
 refuses a request too long for its ``--max-model-len``),
@@ -146,8 +148,9 @@ class Connector:
                 await client.post(f"{self.url}/api/connector/provenance", headers=self.headers,
                                   json=self.provenance().model_dump())
 
-    async def admitted(self, run_id: str) -> None:
-        """Count one request of ``run_id``, pulling the run's mode the first time."""
+    async def admitted(self, run_id: str, seeding: bool = False) -> None:
+        """Count one request of ``run_id`` (``seeding``: of its seeding pass, tagged so),
+        pulling the run's mode the first time."""
         if self.url is None:
             return
         async with self.lock:  # one pull per run, however many requests arrive at once
@@ -161,7 +164,8 @@ class Connector:
         counts = self.counters.setdefault(run_id, {"requests_seen": 0})
         counts["requests_seen"] += 1
         key = {"fill": "filled_requests", "prefill": "prefill_requests",
-               "seeded": "prefill_requests"}.get(mode, "unresolved_requests")
+               "seeded": "seeding_requests" if seeding else "prefill_requests"}.get(
+                   mode, "unresolved_requests")
         counts[key] = counts.get(key, 0) + 1
 
     async def report(self) -> None:
@@ -208,6 +212,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     crash_after = int(os.environ.get("STUB_CRASH_AFTER", "0"))
     hang_after = int(os.environ.get("STUB_HANG_AFTER_TOKENS", "0"))
     hang_healthy = bool(os.environ.get("STUB_HANG_HEALTHY"))
+    hang_at = int(os.environ.get("STUB_HANG_AT_REQUEST", "0"))
     first_token_s = float(os.environ.get("STUB_FIRST_TOKEN_S", "0"))
     prefill_s_per_token = float(os.environ.get("STUB_PREFILL_S_PER_TOKEN", "0"))
     prefilling = asyncio.Lock()
@@ -289,7 +294,11 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                         state["waiting"] -= 1
                 queued_s = time.monotonic() - queued_at
                 if run_id:
-                    await connector.admitted(run_id)
+                    await connector.admitted(run_id, params.get("decodebench_seeding") is True)
+                if hang_at and number >= hang_at:
+                    state["hung"] = True
+                    print("stub: hanging as told", flush=True)
+                    await asyncio.sleep(3600)
                 await asyncio.sleep(first_token_s)  # a prefill's silence
                 if prefill_s_per_token and connector.modes.get(run_id or "") != "fill":
                     async with prefilling:  # one prefill at a time, as one engine step

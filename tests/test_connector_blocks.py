@@ -218,6 +218,22 @@ def test_a_prefill_run_after_a_fill_run_fills_nothing(tmp_path: Path, control: C
     assert counters["prefill_requests"] == 2 and "filled_requests" not in counters
 
 
+def test_a_seeded_runs_seeding_requests_are_counted_apart_from_its_measured_ones(
+        tmp_path: Path, control: Control) -> None:
+    config = h.vllm_config(tmp_path, h.OURS, {"control_url": control.url, "worker_token": "t"})
+    sched = h.scheduler(config, _one_group())
+    for k in range(3):
+        sched.add_request(h.request(_prompt(300, 100 * k), run_id="s-1", request_id=f"seed{k}",
+                                    max_tokens=1, seeding=True))
+    sched.add_request(h.request(_prompt(300), run_id="s-1", request_id="measured"))
+    seen = _until_filled(sched, {"seed0", "seed1", "seed2", "measured"})
+    h.run_until_idle(sched)
+    assert seen["filled"] == set()
+    counters = sched.connector.connector_scheduler.reporter.snapshot("s-1")
+    assert counters["seeding_requests"] == 3 and counters["prefill_requests"] == 1
+    assert counters["requests_seen"] == 4 and "filled_requests" not in counters
+
+
 def test_no_state_left_after_thousands_of_finished_and_aborted_requests(tmp_path: Path) -> None:
     sched = h.scheduler(h.vllm_config(tmp_path, h.OURS, max_batched=2048), _one_group())
     connector = sched.connector.connector_scheduler

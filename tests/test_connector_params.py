@@ -48,7 +48,7 @@ class Control:
                 elif control.behaviour == "bad-values":
                     body = json.dumps({"mode": "fill", "mean": "x", "std": -1}).encode()
                 else:
-                    mode = "prefill" if run_id.startswith("p") else "fill"
+                    mode = {"p": "prefill", "s": "seeded"}.get(run_id[0], "fill")
                     body = json.dumps({"run_id": run_id, "mode": mode, "mean": 0.25,
                                        "std": 0.5}).encode()
                 self.send_response(200)

@@ -67,7 +67,8 @@ def test_every_measured_request_hits_its_whole_prompt_but_the_last_block(
     assert deltas["vllm:prefix_cache_hits"] == 8 * _most_hits(4096, block)
     # The connector did not fill: it left each request (seeding and measured) to vLLM.
     connector = first_seeded["connector"]
-    assert connector["filled_requests"] == 0 and connector["prefill_requests"] == 16
+    assert connector["filled_requests"] == 0 and connector["prefill_requests"] == 8
+    assert connector["seeding_requests"] == 8
     assert "foreign_prefix_hits" not in {w["code"] for w in first_seeded["warnings"]}
     page = service.get(f"/runs/{first_seeded['id']}").text
     assert "Seeding" in page and "every measured request" in page

@@ -251,3 +251,36 @@ def test_the_pass_names_the_run_that_stopped_it_and_none_when_every_run_held_not
     place([q("r1", A), q("r2", B), q("r3", C)], [*registered, w("w2", B, busy=True)], [], [],
           stopped=stopped)
     assert stopped == ["r2"]
+
+
+NO_CPU = "synthetic acceptance needs a GPU server"
+NO_CPU_FAIL = (f"{NO_CPU}; this service starts its servers on this machine's CPU "
+               "(it has no GPUs: DECODEBENCH_GPUS)")
+
+
+def cq(id: str, key: str) -> QueuedRow:
+    return QueuedRow(id=id, key=key, cpu_problem=NO_CPU)
+
+
+CPU_CASES: list[tuple[str, list[QueuedRow], list[WorkerRow], str, list[Decision]]] = [
+    # name, queued, workers, gpus, expected decisions
+    ("cpu: a run no CPU server can serve fails at once, and the queue goes on past it",
+     [cq("r1", A), q("r2", B)], [], "",
+     [Decision("r1", A, fail=NO_CPU_FAIL), Decision("r2", B)]),
+    ("cpu: it takes an idle registered server of its kind",
+     [cq("r1", A)], [w("x1", A, external=True)], "",
+     [Decision("r1", A, reuse="x1")]),
+    ("cpu: it waits for a busy registered server of its kind",
+     [cq("r1", A)], [w("x1", A, external=True, busy=True)], "",
+     []),
+    ("gpus: it starts a server on a GPU",
+     [cq("r1", A)], [], "0",
+     [Decision("r1", A, gpus=("0",))]),
+]
+
+
+@pytest.mark.parametrize(("queued", "workers", "gpus", "expected"),
+                         [c[1:] for c in CPU_CASES], ids=[c[0] for c in CPU_CASES])
+def test_place_what_a_cpu_cannot_serve(queued: list[QueuedRow], workers: list[WorkerRow], gpus: str,
+                                       expected: list[Decision]) -> None:
+    assert place(queued, workers, [], gpus.split(",") if gpus else []) == expected

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,29 @@ def test_synthetic_acceptance_goes_to_vllm_as_its_speculative_config() -> None:
     assert RunSpec(engine=engine).worker_key() != RunSpec().worker_key()
 
 
+SYNTHETIC = {"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+             "synthetic_acceptance_length": 2.0}
+
+
+def test_synthetic_acceptance_on_a_cpu_machine_fails_before_a_server_starts(
+        stub_service: Callable[..., TestClient]) -> None:
+    client = stub_service()  # no GPUs
+    run_id = client.post("/api/runs", json={"input_len": 64, "output_len": 4, "num_prompts": 2,
+                                            "engine": {"speculative": SYNTHETIC}}).json()["id"]
+    run = wait_finished(client, run_id, timeout=30)
+    assert run["status"] == "failed"
+    assert run["error"].startswith('engine.speculative.rejection_sample_method "synthetic" needs a GPU '
+                                   "server"), run["error"]
+    assert "Synthetic acceptance not supported with CPU sampling" in run["error"]
+    assert "it has no GPUs" in run["error"]
+    assert run["worker_id"] is None and client.get("/api/workers").json() == []
+    # Speculative decoding without synthetic acceptance runs on a CPU.
+    plain = {**SYNTHETIC, "rejection_sample_method": None, "synthetic_acceptance_length": None}
+    ran = wait_finished(client, client.post("/api/runs", json={
+        "input_len": 64, "output_len": 4, "num_prompts": 2, "engine": {"speculative": plain}}).json()["id"])
+    assert ran["status"] == "succeeded", ran["error"]
+
+
 def test_models_say_where_a_dummy_fill_is_not_neutral(client: TestClient) -> None:
     listed = client.get("/api/models").json()
     assert listed["tiny_fill_neutral"] is True and "seeded" in listed["remedy"]
@@ -256,11 +280,48 @@ def test_a_seeded_run_without_the_servers_counters_fails_unproven(
     seeding_done = run["summary"]["seeding"]
     assert seeding_done["prompts"] == 4 and seeding_done["seconds"] > 0
     assert seeding_done["proven"] is False and seeding_done["reused"] is None
-    # The connector left the seeding and the measured requests to vLLM.
-    assert run["connector"]["prefill_requests"] == 8 and run["connector"]["filled_requests"] == 0
+    # The connector left the seeding and the measured requests to vLLM, and told them apart.
+    connector = run["connector"]
+    assert connector["seeding_requests"] == 4 and connector["prefill_requests"] == 4
+    assert connector["filled_requests"] == 0
     page = client.get(f"/runs/{run_id}").text
     assert "<h2>Seeding</h2>" in page and "<strong>Not proven</strong>" in page
+    assert '<th>requests of the seeding pass (mode seeded)</th><td class="num">4</td>' in page
     assert run["provenance"]["prefill"].startswith("real: vLLM prefilled every prompt once")
+
+
+def test_the_seeding_pass_keeps_driver_logs_of_its_own_and_they_go_with_the_run(
+        stub_service: Callable[..., TestClient]) -> None:
+    client = stub_service()
+    logs_dir = client.app.state.settings.logs_dir  # type: ignore[attr-defined]
+    run_id = client.post("/api/runs", json={"mode": "seeded", "input_len": 64, "output_len": 4,
+                                            "num_prompts": 4, "max_concurrency": 2}).json()["id"]
+    wait_finished(client, run_id)
+    # The measured requests' drivers did not write over the seeding pass's logs.
+    assert sorted(p.name for p in logs_dir.glob(f"{run_id}.*")) == [
+        f"{run_id}.driver0.log", f"{run_id}.seeding.driver0.log"]
+    assert client.delete(f"/api/runs/{run_id}").status_code == 204
+    assert list(logs_dir.glob(f"{run_id}.*")) == []
+
+
+def test_a_server_that_hangs_in_the_seeding_pass_fails_the_run_within_the_stall_limit(
+        stub_service: Callable[..., TestClient]) -> None:
+    # The second prompt of the seeding pass and every request after it get no token; /health
+    # still answers and the request timeout is the default 600 s.
+    client = stub_service({"STUB_HANG_AT_REQUEST": "2", "STUB_HANG_HEALTHY": "1"}, stall_s=2)
+    run_id = client.post("/api/runs", json={"mode": "seeded", "input_len": 64, "output_len": 4,
+                                            "num_prompts": 4, "max_concurrency": 2}).json()["id"]
+    started = time.monotonic()
+    run = wait_finished(client, run_id, timeout=60)
+    assert run["status"] == "failed"
+    assert run["error"].startswith("vLLM server hung during the seeding pass: none of the 2 open "
+                                   "streams got a token"), run["error"]
+    assert "stub: hanging as told" in run["error"]
+    assert time.monotonic() - started < 15
+    # No measured request was sent, and the hung server takes no more runs.
+    assert run["progress"]["completed"] == 0 and run["progress"]["failed"] == 0
+    worker = client.get(f"/api/workers/{run['worker_id']}").json()
+    assert worker["status"] == "failed" and "hung" in worker["error"]
 
 
 # ------------------------------------------------------------------ capacity searches

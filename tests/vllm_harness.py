@@ -116,9 +116,12 @@ def request(
     salt: str | None = None,
     block_size: int = 16,
     request_id: str | None = None,
+    seeding: bool = False,
 ) -> Request:
-    """A request as the API server would make it, tagged with a run id if given."""
-    extra = {"kv_transfer_params": {"decodebench_run_id": run_id}} if run_id else None
+    """A request as the API server would make it, tagged with a run id if given (and as of
+    a seeded run's seeding pass with ``seeding``)."""
+    tag: dict[str, Any] = {"decodebench_run_id": run_id, **({"decodebench_seeding": True} if seeding else {})}
+    extra = {"kv_transfer_params": tag} if run_id else None
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
     params.update_from_generation_config({}, EOS)
     return Request(

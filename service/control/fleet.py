@@ -133,9 +133,10 @@ class DriverBackend(Protocol):
 
     def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
                     vocab_size: int | None, request_timeout_s: float, hang_s: float, *,
-                    node_id: str | None = None) -> LoadDrivers:
+                    node_id: str | None = None, phase: str | None = None) -> LoadDrivers:
         """The drivers of one run against the server at ``base_url``; ``node_id`` is the
-        server's Ray node, where a backend that places drivers puts them (None: unknown)."""
+        server's Ray node, where a backend that places drivers puts them (None: unknown);
+        ``phase``: "seeding" for a seeded run's seeding pass (``DriverConfig.phase``)."""
         ...
 
 
@@ -377,13 +378,14 @@ class Fleet(RegisteredServers):
 
     # ------------------------------------------------------------ a run's drivers
 
-    def drivers_for(self, run_id: str, spec: RunSpec, handle: WorkerHandle) -> LoadDrivers:
+    def drivers_for(self, run_id: str, spec: RunSpec, handle: WorkerHandle,
+                    phase: str | None = None) -> LoadDrivers:
         """The load drivers of a run against its server (on the server's node, where the
-        backend has nodes)."""
+        backend has nodes); ``phase``: see ``DriverBackend.drivers_for``."""
         drivers = self.driver_pool.drivers_for(run_id, spec, handle.url, handle.served_model,
                                                handle.vocab_size, self.settings.request_timeout_s,
                                                self.settings.driver_hang_s,
-                                               node_id=(handle.node or {}).get("id"))
+                                               node_id=(handle.node or {}).get("id"), phase=phase)
         self._drivers[run_id] = drivers
         return drivers
 

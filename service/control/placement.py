@@ -19,7 +19,9 @@ time, so that runs never disturb each other. Rules, oldest queued run first:
 - a run that waits for registered servers only holds nothing of this machine's, so
   later runs of other kinds go past it; any other run that must wait stops the pass
   (first come, first served);
-- a run needing more GPUs than the service may use fails at once;
+- a run needing more GPUs than the service may use fails at once; so does, on a CPU
+  machine, a run that a CPU server cannot serve (``QueuedRow.cpu_problem``) unless
+  registered servers of its kind may take it;
 - a run longer than the servers of its kind take fails at once, with the sums, when each
   ready server of its kind says its ``max_model_len`` (what vLLM fitted to its KV cache
   memory, or a registered server's): another server of the kind would fit no more. A
@@ -67,6 +69,8 @@ class QueuedRow:
     pair_id: str | None = None
     # Its longest request (None: held to no server's length).
     longest: RequestLen | None = None
+    # Why a server started on a CPU cannot serve it (``EngineSpec.cpu_problem``).
+    cpu_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,13 @@ def place(
                 f"service may use ({len(gpus)}: {','.join(gpus)})",
             ))
             continue
+        if run.cpu_problem is not None and not gpus and not _registered(run, state):
+            out.append(Decision(
+                run.id, run.key,
+                fail=f"{run.cpu_problem}; this service starts its servers on this machine's CPU "
+                "(it has no GPUs: DECODEBENCH_GPUS)",
+            ))
+            continue
         too_long = _too_long(run, state)
         if too_long is not None:
             out.append(Decision(run.id, run.key, fail=too_long))
@@ -153,6 +164,11 @@ def _too_long(run: QueuedRow, state: _State) -> str | None:
 
 def _fits(run: QueuedRow, worker: WorkerRow) -> bool:
     return run.longest is None or worker.max_model_len is None or run.longest.tokens <= worker.max_model_len
+
+
+def _registered(run: QueuedRow, state: _State) -> bool:
+    """Whether a registered server of the run's kind may take it."""
+    return any(w.external and w.key == run.key and not w.stopping for w in state.workers.values())
 
 
 def _waits_on_registered(run: QueuedRow, state: _State) -> bool:

@@ -378,11 +378,31 @@ class Runner:
         spec = self.spec.seeding_spec()
         scraper = Scraper(self.fleet.client, handle.url)
         before = await scraper.scrape()
-        drivers = self.fleet.drivers_for(self.run_id, spec, handle)
+        drivers = self.fleet.drivers_for(self.run_id, spec, handle, phase="seeding")
+        # Watched as the measured requests are: a server that dies or hangs while it
+        # prefills the seed set fails the run then, not at the request timeout.
+        watch = self.watchdog = Watchdog(self.settings, spec, self.fleet, handle, drivers, seeding=True)
         samples: list[Sample] = []
+
+        def on_sample(sample: Sample) -> None:
+            samples.append(sample)
+            watch.saw(sample)
+
         began = time.perf_counter()
-        await drivers.run(samples.append)
+        sending = asyncio.create_task(drivers.run(on_sample))
+        watching = asyncio.create_task(watch.run())
+        try:
+            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                raise watching.result()
+            sending.result()
+        finally:
+            for task in (sending, watching):
+                task.cancel()
+            await asyncio.gather(sending, watching, return_exceptions=True)
         seconds = time.perf_counter() - began
+        if watch.finding is not None:
+            raise watch.finding
         after = await scraper.scrape()
         failed = [s for s in samples if not s.success]
         if failed or len(samples) < spec.num_prompts:

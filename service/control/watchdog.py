@@ -31,15 +31,17 @@ STALL_TTFT_FACTOR = 3.0
 SLOWEST_PREFILL_TOKENS_S = 1000.0
 
 
-def stall_limit(settings: Settings, spec: RunSpec, longest_ttft: float = 0.0) -> float:
+def stall_limit(settings: Settings, spec: RunSpec, longest_ttft: float = 0.0,
+                seeding: bool = False) -> float:
     """Seconds without a byte on any open stream after which a run's worker has hung:
     ``stall_s``, or more where a prefill may be that silent (one step of the engine can
     hold a whole prompt's prefill, and every stream waits for it). That is three times
-    the run's longest time to first token so far; before the first, for a real prefill,
-    its longest prompt at ``SLOWEST_PREFILL_TOKENS_S``."""
+    the run's longest time to first token so far; before the first, for a real prefill
+    (a prefill run, or a seeded run's ``seeding`` pass), its longest prompt at
+    ``SLOWEST_PREFILL_TOKENS_S``."""
     if longest_ttft > 0:
         return max(settings.stall_s, STALL_TTFT_FACTOR * longest_ttft)
-    if spec.mode == "prefill":
+    if spec.mode == "prefill" or seeding:
         longest = math.floor(spec.input_len * (1 + spec.range_ratio))
         return max(settings.stall_s, longest / SLOWEST_PREFILL_TOKENS_S)
     return settings.stall_s
@@ -58,15 +60,20 @@ async def still_serves(client: httpx.AsyncClient, handle: WorkerHandle, limit: f
 
 
 class Watchdog:
-    """Watches one run's server while its drivers send (see the module docstring)."""
+    """Watches one run's server while its drivers send (see the module docstring):
+    the measured requests, or (``seeding``) a seeded run's seeding pass, whose findings
+    name it."""
 
     def __init__(self, settings: Settings, spec: RunSpec, fleet: Fleet, handle: WorkerHandle,
-                 drivers: LoadDrivers) -> None:
+                 drivers: LoadDrivers, seeding: bool = False) -> None:
         self.settings = settings
         self.spec = spec
         self.fleet = fleet
         self.handle = handle
         self.drivers = drivers
+        self.seeding = seeding
+        # What its findings say the server was doing.
+        self.during = "the seeding pass" if seeding else "the run"
         self.failures = 0
         # The longest time to first token of the run so far (s): a prefill this long is
         # not a hang (see ``stall_limit``).
@@ -85,7 +92,7 @@ class Watchdog:
     def stall_limit(self) -> float:
         """Seconds without a byte on any open stream after which the worker has hung (see
         ``stall_limit``)."""
-        return stall_limit(self.settings, self.spec, self.longest_ttft)
+        return stall_limit(self.settings, self.spec, self.longest_ttft, self.seeding)
 
     async def _stalled(self) -> WorkerError | None:
         """A ``WorkerError`` when streams are open and none got a byte for ``stall_limit``
@@ -101,7 +108,8 @@ class Watchdog:
         said = await self._engine_says()
         tail = await asyncio.to_thread(handle.tail)
         self.finding = WorkerError(
-            f"vLLM server hung: none of the {open_now} open streams got a token for {quiet:.0f} s "
+            f"vLLM server hung{' during the seeding pass' if self.seeding else ''}: none of the "
+            f"{open_now} open streams got a token for {quiet:.0f} s "
             f"(the limit: {limit:.0f} s; DECODEBENCH_STALL_S sets it, and it is more where a "
             f"prefill may be that silent), while {said}; last log lines:\n{tail}"
         )
@@ -129,8 +137,9 @@ class Watchdog:
 
         async def exited() -> WorkerError:
             tail = await asyncio.to_thread(handle.tail)
-            await self.fleet.bury(handle, "exited during a run")
-            return WorkerError(f"vLLM server exited during the run{handle.ended_why()}; "
+            await self.fleet.bury(handle, "exited during the seeding pass" if self.seeding
+                                  else "exited during a run")
+            return WorkerError(f"vLLM server exited during {self.during}{handle.ended_why()}; "
                               f"last log lines:\n{tail}")
 
         while True:
@@ -146,8 +155,8 @@ class Watchdog:
                         return await exited()
                     tail = await asyncio.to_thread(handle.tail)
                     self.finding = WorkerError(
-                        f"vLLM server{handle.where()} stopped answering during the run ({checked} requests "
-                        f"failed); last log lines:\n{tail}"
+                        f"vLLM server{handle.where()} stopped answering during {self.during} "
+                        f"({checked} requests failed); last log lines:\n{tail}"
                     )
                     await self.fleet.retire(handle, "stopped answering")
                     return self.finding

@@ -28,6 +28,7 @@ class RunCounters(Strict):
     requests_seen: Counter | None = None
     filled_requests: Counter | None = None
     prefill_requests: Counter | None = None
+    seeding_requests: Counter | None = None
     cached_requests: Counter | None = None
     unresolved_requests: Counter | None = None
     dropped_requests: Counter | None = None
@@ -55,7 +56,8 @@ class ConnectorReport(Strict):
         return {run: c.model_dump(exclude_none=True) for run, c in self.runs.items()}
 
 
-SCHEDULER_COUNTERS = ("requests_seen", "filled_requests", "prefill_requests", "cached_requests",
+SCHEDULER_COUNTERS = ("requests_seen", "filled_requests", "prefill_requests", "seeding_requests",
+                      "cached_requests",
                       "unresolved_requests", "dropped_requests", "recomputed_requests",
                       "waited_requests")
 

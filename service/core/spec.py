@@ -183,6 +183,15 @@ class EngineSpec(Strict):
     def _allowed(cls, args: list[str]) -> list[str]:
         return [_check_extra_arg(a) for a in args]
 
+    def cpu_problem(self) -> str | None:
+        """Why a server of this engine cannot serve on a CPU (None: as far as is known, it can)."""
+        speculative = self.speculative
+        if speculative is not None and speculative.rejection_sample_method == "synthetic":
+            return ("engine.speculative.rejection_sample_method \"synthetic\" needs a GPU server: vLLM "
+                    "0.32 on a CPU dies at its first request (\"Synthetic acceptance not supported with "
+                    "CPU sampling\")")
+        return None
+
 
 # What vLLM's default loader looks for in a local model directory (top level only).
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")

@@ -79,6 +79,15 @@ class DriverConfig(BaseModel):
     shards: int = 1
     # A time box: no request is sent later than this after the schedule's start.
     duration_s: float | None = None
+    # "seeding": a seeded run's unmeasured seeding pass, whose logs are named apart.
+    phase: str | None = None
+
+    def log_name(self) -> str:
+        """The name of this shard's stderr log in the logs folder: ``{run_id}.driver{shard}.log``,
+        or ``{run_id}.{phase}.driver{shard}.log`` (the measured requests' drivers and the
+        seeding pass's never write one file)."""
+        phase = f".{self.phase}" if self.phase else ""
+        return f"{self.run_id}{phase}.driver{self.shard}.log"
 
 
 def shard_count(spec: RunSpec | LoadShape, cpus: int | None = None) -> int:
@@ -106,7 +115,7 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
     generator = LoadGenerator(
         config.base_url, config.served_model, config.run_id,
         shard_concurrency(spec.max_concurrency, config.shard, config.shards),
-        config.request_timeout_s, cache_salt=config.cache_salt,
+        config.request_timeout_s, cache_salt=config.cache_salt, seeding=config.phase == "seeding",
     )
 
     async def beat() -> None:

@@ -223,11 +223,17 @@ class LoadGenerator:
         max_concurrency: int | None,
         request_timeout_s: float,
         cache_salt: str | None = None,
+        seeding: bool = False,
     ) -> None:
         self.url = f"{base_url}/v1/completions"
         self.served_model = served_model
         self.run_id = run_id
         self.cache_salt = cache_salt or run_id
+        # The run's tag for the connector; a seeded run's seeding pass says so, so that the
+        # connector counts its requests apart from the measured ones.
+        self.tag: dict[str, str | bool] = {"decodebench_run_id": run_id}
+        if seeding:
+            self.tag["decodebench_seeding"] = True
         self.max_concurrency = max_concurrency
         self.request_timeout_s = request_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -292,7 +298,7 @@ class LoadGenerator:
             "stream": True,
             "stream_options": {"include_usage": True},
             "cache_salt": self.cache_salt,
-            "kv_transfer_params": {"decodebench_run_id": self.run_id},
+            "kv_transfer_params": self.tag,
         }).encode()
         blocks = plan.prompt_blocks(position)
 

@@ -152,7 +152,7 @@ class RayDrivers(ShardedRun):
             await self._measure_clocks()
             for k, config in enumerate(self.configs):
                 key = await self._hosts[k].call("open", config.model_dump_json(),
-                                                f"{config.run_id}.driver{k}.log")
+                                                config.log_name())
                 self._keys.append(key)
                 self._handed.append(0)
             pollers = [asyncio.create_task(self._poll(k, on_sample)) for k in range(len(self._keys))]
@@ -297,12 +297,12 @@ class RayDriverBackend:
 
     def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
                     vocab_size: int | None, request_timeout_s: float, hang_s: float, *,
-                    node_id: str | None = None) -> RayDrivers:
+                    node_id: str | None = None, phase: str | None = None) -> RayDrivers:
         """The drivers of one run against the server at ``base_url``, on ``node_id`` (the
         server's node; None: this process's node) or spread over ``spec.driver_nodes``
         nodes from there, with at least one shard per node."""
         configs = run_configs(run_id, spec, base_url, served_model, vocab_size, request_timeout_s,
-                              at_least=spec.driver_nodes)
+                              at_least=spec.driver_nodes, phase=phase)
         return RayDrivers(configs, self, node_id, spec.driver_nodes, hang_s)
 
     def alive_nodes(self) -> dict[str, str]:

@@ -178,11 +178,11 @@ class DriverPool:
 
     def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
                     vocab_size: int | None, request_timeout_s: float, hang_s: float, *,
-                    node_id: str | None = None) -> Drivers:
+                    node_id: str | None = None, phase: str | None = None) -> Drivers:
         """The driver processes of one run, taken from this pool (all on this machine:
         ``node_id``, the server's Ray node, is for backends that place drivers)."""
         return Drivers.for_run(run_id, spec, base_url, served_model, vocab_size, request_timeout_s,
-                               self, hang_s)
+                               self, hang_s, phase)
 
     async def close(self) -> None:
         """Stop the spares; no new ones are started."""
@@ -218,8 +218,10 @@ async def _stop_processes(procs: list[DriverProcess]) -> None:
 
 
 def run_configs(run_id: str, spec: RunSpec, base_url: str, served_model: str,
-                vocab_size: int | None, request_timeout_s: float, at_least: int = 1) -> list[DriverConfig]:
-    """The configs of one run's shards: ``shard_count`` of them, or ``at_least``."""
+                vocab_size: int | None, request_timeout_s: float, at_least: int = 1,
+                phase: str | None = None) -> list[DriverConfig]:
+    """The configs of one run's shards: ``shard_count`` of them, or ``at_least``
+    (``phase``: see ``DriverConfig.phase``)."""
     # With a stop rule the plan holds the most requests the run may send; a shard
     # stops early when told to, or at its time box.
     shape = LoadShape.of(spec).model_copy(update={"num_prompts": spec.prompt_budget()})
@@ -230,7 +232,7 @@ def run_configs(run_id: str, spec: RunSpec, base_url: str, served_model: str,
                      served_model=served_model, vocab_size=vocab_size,
                      request_timeout_s=request_timeout_s, cache_salt=spec.seed_set_salt(),
                      shard=k, shards=n,
-                     duration_s=duration_s)
+                     duration_s=duration_s, phase=phase)
         for k in range(n)
     ]
 
@@ -338,10 +340,10 @@ class Drivers(ShardedRun):
     @classmethod
     def for_run(cls, run_id: str, spec: RunSpec, base_url: str, served_model: str,
                 vocab_size: int | None, request_timeout_s: float, pool: DriverPool,
-                hang_s: float) -> Drivers:
+                hang_s: float, phase: str | None = None) -> Drivers:
         """The shards of one run (``shard_count`` of them)."""
-        return cls(run_configs(run_id, spec, base_url, served_model, vocab_size, request_timeout_s),
-                   pool, hang_s)
+        return cls(run_configs(run_id, spec, base_url, served_model, vocab_size, request_timeout_s,
+                               phase=phase), pool, hang_s)
 
     async def stop_sending(self, rule: str) -> None:
         """Tell every shard to send no more requests (those sent finish and count)."""
@@ -368,7 +370,7 @@ class Drivers(ShardedRun):
 
         try:
             for config in self.configs:
-                proc, log_path = await self.pool.take(f"{config.run_id}.driver{config.shard}.log")
+                proc, log_path = await self.pool.take(config.log_name())
                 self.procs.append(proc)
                 self.log_paths.append(log_path)
                 assert proc.stdin is not None

@@ -1,7 +1,8 @@
 """Log files in the data dir's ``logs`` folder, and how long they are kept.
 
-A run's driver logs (``{run_id}.driver{shard}.log``, written by ``service.load.driver``) are
-the run's: they go when the run is deleted. A worker's log (``{worker_id}.log`` and its
+A run's driver logs (``{run_id}.driver{shard}.log``, written by ``service.load.driver``;
+a seeded run's seeding pass also ``{run_id}.seeding.driver{shard}.log``) are the run's: they
+go when the run is deleted. A worker's log (``{worker_id}.log`` and its
 rotated copy ``.log.1``, written by ``service.control.local``) is kept while the worker lives
 and, once it has ended, while it is among the last ``keep`` workers to end (the index page
 lists the last of them with their reasons); older ones are deleted. A path outside the logs
@@ -47,8 +48,9 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def run_files(logs_dir: Path, run_id: str) -> list[Path]:
-    """The files kept for one run: its driver logs."""
-    return sorted(logs_dir.glob(f"{glob.escape(run_id)}.driver*.log"))
+    """The files kept for one run: its driver logs (its seeding pass's too)."""
+    run = glob.escape(run_id)
+    return sorted([*logs_dir.glob(f"{run}.driver*.log"), *logs_dir.glob(f"{run}.seeding.driver*.log")])
 
 
 def delete_run_files(logs_dir: Path, run_id: str) -> list[Path]:
