@@ -434,7 +434,8 @@ def test_a_refusal_reads_as_the_services_sentence(service: Any) -> None:
     done = cli(service.control_url, "sweep", "--input-len", "8", "--until-decided", "3")
     assert done.returncode == 2
     text = " ".join(done.stderr.split())
-    assert "error: until_decided runs fill/prefill (or fill/seeded) pairs" in text and "(HTTP 422)" in text, text
+    assert "error: until_decided runs fill/prefill (or fill/seeded) pairs" in text, text
+    assert "(HTTP 422)" in text, text
     assert "Value error" not in text and ": :" not in text
     # A field's rule names the field first.
     bad = cli(service.control_url, "bench", "serve", "--num-prompts", "2", "--random-input-len", "8",
