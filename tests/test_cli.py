@@ -392,13 +392,17 @@ def test_capacity_prints_a_line_per_prefill_rate_while_measuring_the_prefill_sid
     search_id = done.stderr.split("capacity search ")[1].split()[0]
     prefill = service.get(f"/api/capacity/{search_id}").json()["contexts"][0]["prefill"]
     assert prefill["state"] == "decided", prefill
-    # A line per rate as its run was judged: the rate, its p99 TTFT with the interval, the verdict.
+    # A line per rate each time its runs were judged: the rate, its p99 TTFT with the
+    # interval, the verdict, over how many runs and what decided it (undecided: one more run).
     lines = [line for line in done.stderr.splitlines() if line.startswith("input_len=64 prefill rate=")]
-    assert len(lines) == len(prefill["probes"]) == prefill["runs"]
+    assert len(prefill["probes"]) <= len(lines) <= prefill["runs"] == sum(len(p["run_ids"])
+                                                                           for p in prefill["probes"])
     for probe in prefill["probes"]:
         lo, hi = probe["ci_ms"]
+        trials = probe["trials"]
         assert (f"input_len=64 prefill rate={probe['request_rate']:g}/s: {probe['verdict']}, p99 TTFT "
-                f"{probe['p99_ttft_ms']:.2f} ms [{lo:.2f}, {hi:.2f}] against 600 ms") in lines
+                f"{probe['p99_ttft_ms']:.2f} ms [{lo:.2f}, {hi:.2f}] against 600 ms over {trials} "
+                f"run{'s' * (trials != 1)}, by the {probe['decided_by']}") in lines
     assert {p["verdict"] for p in prefill["probes"]} == {"pass", "fail"}
     assert f"input_len=64 prefill: decided after {prefill['runs']} runs" in done.stderr
     # The decode probes keep their own lines.

@@ -143,18 +143,21 @@ def probe_line(input_len: int, probe: Mapping[str, Any], sla: Mapping[str, Any])
 
 
 # A prefill rate's verdicts that end it.
-RATE_ENDS = ("pass", "fail", "failed")
+RATE_ENDS = ("pass", "fail", "undecided", "failed")
 
 
 def rate_line(input_len: int, probe: Mapping[str, Any], max_ms: float) -> str:
-    """A prefill rate as decided: its verdict with the p99 TTFT (and its interval) against
-    the limit, or the run that ended without numbers."""
+    """A prefill rate as judged: its verdict with the p99 TTFT (and its interval) against
+    the limit over its runs and what decided it, or the run that ended without numbers."""
     head = f"input_len={input_len} prefill rate={probe['request_rate']:g}/s: {probe['verdict']}"
     if probe.get("p99_ttft_ms") is None:
         return f"{head} (run {probe['run_id']} {probe['status']} without numbers)"
     ci = probe.get("ci_ms")
     interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
-    return f"{head}, p99 TTFT {probe['p99_ttft_ms']:.2f} ms{interval} against {max_ms:g} ms"
+    trials = probe.get("trials", 1)
+    by = f", by the {probe['decided_by']}" if probe.get("decided_by") else ""
+    return (f"{head}, p99 TTFT {probe['p99_ttft_ms']:.2f} ms{interval} against {max_ms:g} ms over "
+            f"{trials} run{'s' * (trials != 1)}{by}")
 
 
 def follow_capacity(client: Client, search_id: str, console: Console,
