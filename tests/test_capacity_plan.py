@@ -24,7 +24,7 @@ from service.analysis.capacity import (
     servers_ratio,
 )
 from service.analysis.intervals import Interval
-from service.analysis.prefill_rate import RateProbe, RateStep, measured, next_rate
+from service.analysis.prefill_rate import RATE_TRIAL_CAP, RateProbe, RateStep, measured, next_rate
 
 LIMIT = 50.0
 CEILING = Bound(64, "max_concurrency", "max_concurrency 64 (asked)")
@@ -311,3 +311,23 @@ def test_a_rate_probe_still_running_waits_and_one_that_failed_stops_the_search()
     failed = [RateProbe(1.0, "r-1", "failed", error="the server died")]
     step = next_rate(failed, 100.0, 1.0, 64.0, 0.25)
     assert step.done and step.error is not None and "the server died" in step.error
+
+
+def test_a_rate_whose_interval_straddles_the_limit_gets_more_runs_until_the_point_estimate_decides() -> None:
+    first = RateProbe(1.0, "r-1", "succeeded", 50.0, (40.0, 60.0))
+    # Its p99 is under the limit of 100 ms, but its interval is not: another run at that rate.
+    straddling = [first, RateProbe(2.0, "r-2", "succeeded", 95.0, (80.0, 110.0))]
+    assert straddling[1].judgement(100.0) == ("undecided", None)
+    step = next_rate(straddling, 100.0, 1.0, 64.0, 0.25)
+    assert step.queue == 2.0 and step.last_pass == 1.0 and step.first_fail is None
+    # Pooled over two runs and still straddling: a third.
+    two = RateProbe(2.0, "r-3", "succeeded", 96.0, (85.0, 105.0), trials=2)
+    assert next_rate([first, two], 100.0, 1.0, 64.0, 0.25).queue == 2.0
+    # At the cap the point estimate decides, and the search doubles on.
+    capped = RateProbe(2.0, "r-4", "succeeded", 97.0, (90.0, 102.0), trials=RATE_TRIAL_CAP)
+    assert capped.judgement(100.0) == ("pass", "point estimate")
+    assert next_rate([first, capped], 100.0, 1.0, 64.0, 0.25).queue == 4.0
+    # An interval wholly over the limit fails the rate on its first run.
+    over = RateProbe(2.0, "r-2", "succeeded", 150.0, (120.0, 180.0))
+    assert over.judgement(100.0) == ("fail", "interval")
+    assert next_rate([first, over], 100.0, 1.0, 64.0, 0.25).first_fail == 2.0

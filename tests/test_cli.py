@@ -379,6 +379,36 @@ def test_capacity_prints_a_line_per_probe_and_the_table_with_the_ratio(stub_serv
     assert "input_len 8: largest concurrency with decode_median_itl_ms <= 35 ms" in done.stdout
 
 
+def test_capacity_prints_a_line_per_prefill_rate_while_measuring_the_prefill_side(stub_service: Any) -> None:
+    # One prefill at a time, 2.5 ms per prompt token: 160 ms for 64 tokens, at most 6.25
+    # requests/s; near-regular arrivals keep TTFT near 160 ms below that rate, and above it
+    # requests queue and TTFT grows past the limit.
+    service = stub_service({**SLOPED, "STUB_PREFILL_S_PER_TOKEN": "0.0025"})
+    done = cli(service.control_url, "capacity", "--input-len", "64", "--output-len", "8", "--sla-metric",
+               "decode_median_itl_ms", "--sla-max-ms", "35", "--max-concurrency", "2", "--burstiness", "100",
+               "--prefill-ttft-p99-max-ms", "600", "--prefill-start-rate", "2", "--prefill-num-prompts", "12",
+               timeout=300, env={**os.environ, "COLUMNS": "250"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    search_id = done.stderr.split("capacity search ")[1].split()[0]
+    prefill = service.get(f"/api/capacity/{search_id}").json()["contexts"][0]["prefill"]
+    assert prefill["state"] == "decided", prefill
+    # A line per rate each time its runs were judged: the rate, its p99 TTFT with the
+    # interval, the verdict, over how many runs and what decided it (undecided: one more run).
+    lines = [line for line in done.stderr.splitlines() if line.startswith("input_len=64 prefill rate=")]
+    assert len(prefill["probes"]) <= len(lines) <= prefill["runs"] == sum(len(p["run_ids"])
+                                                                           for p in prefill["probes"])
+    for probe in prefill["probes"]:
+        lo, hi = probe["ci_ms"]
+        trials = probe["trials"]
+        assert (f"input_len=64 prefill rate={probe['request_rate']:g}/s: {probe['verdict']}, p99 TTFT "
+                f"{probe['p99_ttft_ms']:.2f} ms [{lo:.2f}, {hi:.2f}] against 600 ms over {trials} "
+                f"run{'s' * (trials != 1)}, by the {probe['decided_by']}") in lines
+    assert {p["verdict"] for p in prefill["probes"]} == {"pass", "fail"}
+    assert f"input_len=64 prefill: decided after {prefill['runs']} runs" in done.stderr
+    # The decode probes keep their own lines.
+    assert "input_len=64 concurrency=1: pass" in done.stderr
+
+
 def test_capacity_refuses_bad_flags_and_the_service_names_the_field(service: Any) -> None:
     bad = cli(service.control_url, "capacity", "--input-len", "8,x", "--sla-metric", "decode_p99_itl_ms",
               "--sla-max-ms", "5")

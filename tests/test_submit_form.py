@@ -1,5 +1,6 @@
 """The index page's form submits what the API takes: engine options, repeats and the stop
-rule, for a run and for a sweep, in a real browser logged in with the token."""
+rule, for a run and for a sweep, and a capacity search with or without a measured prefill
+side, in a real browser logged in with the token."""
 
 from __future__ import annotations
 
@@ -108,4 +109,48 @@ def test_the_form_shows_the_apis_message_for_a_stop_rule_without_a_rule(page: Br
     page.run("document.querySelector('#submit-form button[type=submit]').click()")
     page.wait("!document.getElementById('submit-error').hidden")
     assert "stop needs a rule" in page.run("document.getElementById('submit-error').textContent")
+    assert page.run("location.pathname") == "/"
+
+
+def _fill_capacity(browser: Browser, fields: dict[str, str]) -> None:
+    browser.run("document.getElementById('capacity-submit').open = true")
+    for name, value in fields.items():
+        browser.run(f"document.querySelector('#capacity-form [name=\"{name}\"]').value = {json.dumps(value)}")
+    browser.run("document.querySelector('#capacity-form button[type=submit]').click()")
+
+
+CAPACITY = {"input_lens": "16", "base.output_len": "4", "sla.max_ms": "1000", "max_concurrency": "1"}
+
+
+def test_a_capacity_search_from_the_form_measures_the_prefill_side_when_given_a_ttft_limit(
+    service: ServiceProcess, page: Browser,
+) -> None:
+    _fill_capacity(page, {**CAPACITY, "prefill.ttft_p99_max_ms": "2000", "prefill.start_rate": "0.5"})
+    page.wait("location.pathname.startsWith('/capacity/')")
+    search_id = page.run("location.pathname").removeprefix("/capacity/")
+    with service.client() as c:
+        search = c.get(f"/api/capacity/{search_id}").json()
+    asked = search["plan"]["prefill"]
+    assert (asked["ttft_p99_max_ms"], asked["start_rate"]) == (2000.0, 0.5)
+    assert search["contexts"][0]["prefill"]["ttft_p99_max_ms"] == 2000.0
+
+
+def test_a_capacity_search_from_the_form_without_a_ttft_limit_measures_no_prefill(
+    service: ServiceProcess, page: Browser,
+) -> None:
+    _fill_capacity(page, CAPACITY)
+    page.wait("location.pathname.startsWith('/capacity/')")
+    search_id = page.run("location.pathname").removeprefix("/capacity/")
+    with service.client() as c:
+        search = c.get(f"/api/capacity/{search_id}").json()
+    assert search["plan"].get("prefill") is None
+    assert search["contexts"][0]["prefill"] is None
+
+
+def test_the_capacity_form_shows_the_apis_message_for_a_prefill_rate_given_and_measured(
+    page: Browser,
+) -> None:
+    _fill_capacity(page, {**CAPACITY, "prefill_tokens_per_s": "800", "prefill.ttft_p99_max_ms": "2000"})
+    page.wait("!document.getElementById('capacity-error').hidden")
+    assert "give one of them, not both" in page.run("document.getElementById('capacity-error').textContent")
     assert page.run("location.pathname") == "/"

@@ -416,6 +416,8 @@ def _point_text(point: Any) -> str:
               help="The highest request rate the prefill side is measured at (default 1024/s).")
 @click.option("--prefill-num-prompts", type=click.IntRange(8), default=None,
               help="Requests each prefill rate's run sends (default 32).")
+@click.option("--burstiness", type=click.FloatRange(0, min_open=True), default=None,
+              help="The prefill runs' arrivals: 1 Poisson (the default), higher more regular.")
 @click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--fill-mean", type=float, default=None)

@@ -148,10 +148,29 @@ def probe_line(input_len: int, probe: Mapping[str, Any], sla: Mapping[str, Any])
             f"{sla['max_ms']:g} ms over {probe['trials']} trial{'s' * (probe['trials'] != 1)}{by}")
 
 
+# A prefill rate's verdicts that end it.
+RATE_ENDS = ("pass", "fail", "undecided", "failed")
+
+
+def rate_line(input_len: int, probe: Mapping[str, Any], max_ms: float) -> str:
+    """A prefill rate as judged: its verdict with the p99 TTFT (and its interval) against
+    the limit over its runs and what decided it, or the run that ended without numbers."""
+    head = f"input_len={input_len} prefill rate={probe['request_rate']:g}/s: {probe['verdict']}"
+    if probe.get("p99_ttft_ms") is None:
+        return f"{head} (run {probe['run_id']} {probe['status']} without numbers)"
+    ci = probe.get("ci_ms")
+    interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+    trials = probe.get("trials", 1)
+    by = f", by the {probe['decided_by']}" if probe.get("decided_by") else ""
+    return (f"{head}, p99 TTFT {probe['p99_ttft_ms']:.2f} ms{interval} against {max_ms:g} ms over "
+            f"{trials} run{'s' * (trials != 1)}{by}")
+
+
 def follow_capacity(client: Client, search_id: str, console: Console,
                     cancel: Callable[[], None] | None = None) -> dict[str, Any]:
-    """A line per probe each time one is decided (and per input length once its boundary
-    is), until the search has ended; the search as it ended. Ctrl-C calls ``cancel``."""
+    """A line per probe each time one is decided and per prefill rate each time its run is
+    judged (and per input length once its boundary, or its prefill rate, is), until the
+    search has ended; the search as it ended. Ctrl-C calls ``cancel``."""
     said: set[tuple[Any, ...]] = set()
     try:
         while True:
@@ -164,6 +183,19 @@ def follow_capacity(client: Client, search_id: str, console: Console,
                         # One line each however wide the terminal: scripts grep them.
                         console.print(probe_line(context["input_len"], probe, search["sla"]),
                                       highlight=False, markup=False, soft_wrap=True)
+                prefill = context.get("prefill")
+                for probe in (prefill or {}).get("probes", []):
+                    judged = (context["input_len"], "prefill", probe["request_rate"], probe["verdict"],
+                              probe["run_id"])
+                    if probe["verdict"] in RATE_ENDS and judged not in said:
+                        said.add(judged)
+                        console.print(rate_line(context["input_len"], probe, prefill["ttft_p99_max_ms"]),
+                                      highlight=False, markup=False, soft_wrap=True)
+                measured = (context["input_len"], "prefill")
+                if prefill and prefill["state"] != "measuring" and measured not in said:
+                    said.add(measured)
+                    console.print(f"input_len={context['input_len']} prefill: {prefill['state']} after "
+                                  f"{prefill['runs']} runs", highlight=False, markup=False, soft_wrap=True)
                 if context["state"] != "probing" and (context["input_len"], "end") not in said:
                     said.add((context["input_len"], "end"))
                     console.print(f"input_len={context['input_len']}: {context['state']} after "

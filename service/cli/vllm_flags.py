@@ -193,7 +193,7 @@ def capacity_body(v: Mapping[str, Any]) -> dict[str, Any]:
                          "e.g. 8192,32768") from None
     base: dict[str, Any] = {"model": v["model"]}
     for key, field in (("output_len", "output_len"), ("random_range_ratio", "range_ratio"),
-                       ("seed", "seed")):
+                       ("seed", "seed"), ("burstiness", "burstiness")):
         if v.get(key) is not None:
             base[field] = v[key]
     fill = {k: v[f"fill_{k}"] for k in ("mean", "std") if v.get(f"fill_{k}") is not None}

@@ -2,8 +2,9 @@
 have all ended and queue the next probes the planner asks for
 (``service.analysis.capacity.next_step``), until every input length is decided, stopped
 or the search's run budget is spent. A search that measures the prefill side also queues
-each input length's next real-prefill run (``service.analysis.prefill_rate.next_rate``)
-until its rate is bracketed; those runs have their own cap, not the budget.
+each input length's next real-prefill run (``service.analysis.prefill_rate.next_rate``),
+after pooling the runs of a rate that got several (``prefill_rate.take_look``), until its
+rate is bracketed; those runs have their own cap, not the budget.
 
 Looks are taken one at a time (``_LOOKING``), as ``until_decided``'s are: two probe runs
 ending together must not both see the search wanting a probe and both queue it. A look
@@ -73,6 +74,12 @@ def advance(engine: Engine, search_id: str) -> int:
                 samples = [measurements.get_samples(engine, r.id) for r in trials]
                 looks[look_key(probe.input_len, probe.concurrency)] = take_look(
                     samples, [r.id for r in trials], metric, probe.concurrency, per_look)
+    prefill = search.plan.get("prefill")
+    if prefill is not None:
+        for length in search.input_lens:
+            for rate, ids in prefill_rate.looks_due(runs, length, looks):
+                samples = [measurements.get_samples(engine, run_id) for run_id in ids]
+                looks[prefill_rate.look_key(length, rate)] = prefill_rate.take_look(samples, ids)
     bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
     contexts = assess(search.input_lens, max_ms, bound, runs, looks, search.ended,
                       trial_cap=int(search.plan["trial_cap"]))
@@ -91,7 +98,7 @@ def advance(engine: Engine, search_id: str) -> int:
         else:
             wanted += [(context.input_len, c) for c in step.queue]
             left -= len(step.queue)
-    rates, measuring = _prefill_steps(search.plan.get("prefill"), search.input_lens, runs, ended)
+    rates, measuring = _prefill_steps(prefill, search.input_lens, runs, looks, ended)
     over = (all(c.step.done or str(c.input_len) in ended for c in contexts) and not wanted
             and not measuring)
     status = error = None
@@ -111,7 +118,7 @@ def advance(engine: Engine, search_id: str) -> int:
 
 
 def _prefill_steps(prefill: Mapping[str, Any] | None, input_lens: Sequence[int], runs: Sequence[Run],
-                   ended: dict[str, str]) -> tuple[list[tuple[int, float]], bool]:
+                   looks: Mapping[str, Any], ended: dict[str, str]) -> tuple[list[tuple[int, float]], bool]:
     """The prefill runs the search asks for next, as (input length, rate), and whether a
     prefill search is still under way; records in ``ended`` the ones that stopped."""
     if prefill is None:
@@ -122,7 +129,7 @@ def _prefill_steps(prefill: Mapping[str, Any] | None, input_lens: Sequence[int],
         key = prefill_rate.PREFILL_KEY.format(length)
         if key in ended:
             continue
-        _, step = prefill_rate.step_of(runs, length, prefill)
+        _, step = prefill_rate.step_of(runs, length, prefill, looks)
         if step.error is not None:
             ended[key] = step.error
         elif step.queue is not None:

@@ -165,9 +165,10 @@ def probe_spec(base: RunSpec | Mapping[str, Any], input_len: int, concurrency: i
 
 
 def prefill_spec(base: RunSpec | Mapping[str, Any], input_len: int, rate: float, num_prompts: int,
-                 stored: bool = False) -> RunSpec:
+                 trial: int = 0, stored: bool = False) -> RunSpec:
     """The real-prefill run that measures TTFT at ``input_len`` and ``rate`` requests/s
-    (one output token, no concurrency limit, ``num_prompts`` requests); ``base`` and
+    (one output token, no concurrency limit, ``num_prompts`` requests), trial ``trial`` of
+    that rate (seed ``base.seed + trial``: its own prompts and arrivals); ``base`` and
     ``stored`` as for ``probe_spec``. A ValueError if it is no valid run.
 
     At least one warm-up request goes first: a run's first request waits for the
@@ -175,5 +176,6 @@ def prefill_spec(base: RunSpec | Mapping[str, Any], input_len: int, rate: float,
     data = base.model_dump() if isinstance(base, RunSpec) else dict(base)
     data.update(input_len=input_len, output_len=1, max_concurrency=None, num_prompts=num_prompts,
                 request_rate=rate, ramp_up=None, repeats=1, stop=None, mode="prefill",
-                warmup_prompts=max(1, int(data.get("warmup_prompts", 0))))
+                warmup_prompts=max(1, int(data.get("warmup_prompts", 0))),
+                seed=(int(data.get("seed", 0)) + trial) % 2**32)
     return RunSpec.stored(data) if stored else RunSpec.model_validate(data)

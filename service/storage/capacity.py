@@ -39,9 +39,11 @@ def _probe_run(search: CapacitySearch, base: RunSpec | Mapping[str, Any], input_
 
 
 def _prefill_run(search: CapacitySearch, base: RunSpec | Mapping[str, Any], input_len: int,
-                 rate: float) -> Run:
-    """The real-prefill run at (``input_len``, ``rate`` requests/s), not yet stored."""
-    spec = prefill_spec(base, input_len, rate, int(search.plan["prefill"]["num_prompts"]), stored=True)
+                 rate: float, earlier: Sequence[Run] = ()) -> Run:
+    """The next real-prefill run at (``input_len``, ``rate`` requests/s), not yet stored;
+    ``earlier``: the runs at that rate so far (its trials)."""
+    spec = prefill_spec(base, input_len, rate, int(search.plan["prefill"]["num_prompts"]), len(earlier),
+                        stored=True)
     data = spec.model_dump()
     return Run(id=new_id("r"), spec=data, model=spec.model, total=spec.prompt_budget(),
                capacity_id=search.id, point=point_key(data))
@@ -102,7 +104,10 @@ def advance(engine: Engine, search_id: str, looks: Mapping[str, Any], ended: Map
                        and r.spec["max_concurrency"] == concurrency]
             earlier.sort(key=lambda r: r.trial or 0)
             added.append(_probe_run(search, search.base, input_len, concurrency, earlier))
-        added += [_prefill_run(search, search.base, input_len, rate) for input_len, rate in rates]
+        for input_len, rate in rates:
+            earlier = [r for r in runs if r.spec.get("mode") == "prefill" and r.spec["input_len"] == input_len
+                       and r.spec.get("request_rate") == rate]
+            added.append(_prefill_run(search, search.base, input_len, rate, earlier))
         queue_in_order(added)
         search.looks = dict(looks)
         search.ended = dict(ended)

@@ -92,9 +92,11 @@ def ratio_public(ratio: ServersRatio) -> ServersRatioPublic:
         decode_requests_per_s=_figure(ratio.decode_requests_per_s), ratio=_figure(ratio.ratio))
 
 
-PREFILL_METHOD = ("one real-prefill run per rate, one output token each; a rate passes when the "
-                  "run's p99 TTFT (its point estimate) is at most the limit; doubling from the "
-                  "start rate to the first failure, then bisecting")
+PREFILL_METHOD = ("real-prefill runs of one output token at each rate; a rate passes when the 95% "
+                  "interval of its p99 TTFT (bootstrap over requests, its runs pooled) lies at or "
+                  "under the limit, fails when it lies over, else gets another run, up to "
+                  f"{prefill_rate.RATE_TRIAL_CAP}, where the point estimate decides; doubling from "
+                  "the start rate to the first failure, then bisecting")
 
 
 def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) -> PrefillPublic | None:
@@ -103,7 +105,7 @@ def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) 
     if asked is None:
         return None
     max_ms = float(asked["ttft_p99_max_ms"])
-    probes, step = prefill_rate.step_of(runs, input_len, asked)
+    probes, step = prefill_rate.step_of(runs, input_len, asked, search.looks)
     stopped = search.ended.get(prefill_rate.PREFILL_KEY.format(input_len))
     if step.done and step.error is None and stopped is None:
         state = "decided"
@@ -130,10 +132,16 @@ def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) 
         tokens_per_s=None if rate is None else rate.tokens_per_s,
         tokens_per_s_range=None if rate is None else [rate.tokens_per_s, rate.tokens_per_s_hi],
         method=PREFILL_METHOD, statement=statement,
-        probes=[PrefillProbe(request_rate=p.rate, run_id=p.run_id, status=p.status,
-                             p99_ttft_ms=p.p99_ttft_ms, ci_ms=None if p.ci_ms is None else list(p.ci_ms),
-                             verdict=p.verdict(max_ms)) for p in probes],
-        runs=len(probes), error=stopped or step.error)
+        probes=[_rate_view(p, max_ms) for p in probes],
+        runs=sum(len(p.run_ids) for p in probes), error=stopped or step.error)
+
+
+def _rate_view(probe: prefill_rate.RateProbe, max_ms: float) -> PrefillProbe:
+    verdict, by = probe.judgement(max_ms)
+    return PrefillProbe(request_rate=probe.rate, run_id=probe.run_id, run_ids=list(probe.run_ids),
+                        trials=probe.trials, status=probe.status, p99_ttft_ms=probe.p99_ttft_ms,
+                        ci_ms=None if probe.ci_ms is None else list(probe.ci_ms), verdict=verdict,
+                        decided_by=by)
 
 
 def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run] = (),

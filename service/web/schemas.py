@@ -311,16 +311,21 @@ class ServersRatioPublic(BaseModel):
 
 
 class PrefillProbe(BaseModel):
-    """One request rate the prefill search ran: its run, the run's p99 TTFT (ms) with the
-    summary's 95% interval, and its verdict by that p99 (``pass``, ``fail``), or
-    ``pending`` / ``failed`` (ended without numbers)."""
+    """One request rate the prefill search ran: its runs (``run_id`` the latest, or the
+    one that ended without numbers), the p99 TTFT (ms) over their requests pooled with its
+    95% interval, and its verdict (``pass``, ``fail``, ``undecided``: another run comes),
+    or ``pending`` / ``failed`` (a run ended without numbers); ``decided_by``: the
+    ``interval`` or, at the trial cap, the ``point estimate``."""
 
     request_rate: float
     run_id: str
+    run_ids: list[str]
+    trials: int
     status: str
     p99_ttft_ms: float | None
     ci_ms: list[float] | None
     verdict: str
+    decided_by: str | None
 
 
 class PrefillPublic(BaseModel):
