@@ -23,7 +23,6 @@ import contextlib
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from scipy import stats
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness import AUTH, TOKEN, free_port  # noqa: E402
+from harness import AUTH, TOKEN, free_port, stop  # noqa: E402
 
 MODES = ("fill", "seeded", "prefill")
 CONCURRENCY = (1, 4)
@@ -73,12 +72,7 @@ def service(data_dir: Path) -> Iterator[httpx.Client]:
         yield client
     finally:
         client.close()
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
 
 
 def run(client: httpx.Client, spec: dict[str, Any]) -> dict[str, Any]:
