@@ -208,7 +208,9 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
 def test_a_run_cancelled_midway_leaves_its_real_server_serving(service: httpx.Client) -> None:
     # After a cancel the server must answer a one-token request (untagged: the connector
     # treats it as its defaults say) before it takes another run; a real one does.
-    spec = {"input_len": 2048, "output_len": 512, "num_prompts": 40, "max_concurrency": 4}
+    # Long enough that an idle machine cannot finish it before the cancel (about 100 s
+    # uncancelled); the cancel comes after the first request is in.
+    spec = {"input_len": 2048, "output_len": 512, "num_prompts": 400, "max_concurrency": 4}
     run = service.post("/api/runs", json=spec).json()
     going = wait_for(service, run["id"], lambda r: r["progress"]["completed"] >= 1, timeout=600)
     assert going["status"] == "running"
