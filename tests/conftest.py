@@ -28,6 +28,68 @@ API_TOKEN = "test-api-token"
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 
+# `make test` runs the suite on several workers (pytest-xdist). Tests are handed out by
+# group, and a group runs whole on one worker:
+# - "vllm": the modules that start real vLLM servers (`test_e2e_*.py`), one after the other,
+#   so no two real-shaped servers share the machine's memory at once and a server a module
+#   (or `real_tiny_service`) holds is started once;
+# - "ray": the Ray modules (`test_ray_*.py`): a cluster is several raylets, one at a time;
+# - otherwise its own file, so a module's fixtures (a shared service, a browser) are built once.
+# The groups go out heaviest first (the collection order below; the scheduler keeps it), so the
+# longest one does not start last. xdist's own `xdist_group` marks are not used: with pytest
+# 9.2 they no longer reach its scheduler (it renames a node id pytest no longer reads).
+def _group_of(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    if module.startswith("test_ray_"):
+        return "ray"
+    if module.startswith("test_e2e_"):
+        return "vllm"
+    return module
+
+
+def _rank(item: pytest.Item) -> tuple[int, int]:
+    group = _group_of(item.nodeid)
+    if item.get_closest_marker("e2e") is not None and group not in ("vllm", "ray"):
+        raise pytest.UsageError(f"{item.nodeid} starts a real vLLM server (e2e): its module's "
+                                "name must start with test_e2e_ to run with the other such tests")
+    if group == "vllm":
+        # Real-shaped models first: their module's service is stopped before
+        # `real_tiny_service`, which the other e2e modules share, starts its tiny server.
+        return 0, 0 if item.path.name == "test_e2e_shapes.py" else 1
+    if group == "ray":
+        return 1, 0
+    return (2 if item.get_closest_marker("slow") is not None else 3), 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_rank)  # stable: file order within a rank
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        """Whole groups to a worker, in collection order (``_group_of``)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid)
+
+    config.option.loadscopereorder = False  # the order above, not the groups' sizes
+    return GroupScheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def real_tiny_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """The service as a real process that starts real vLLM servers, shared by the e2e modules
+    whose runs are on the bundled tiny model: its tiny server starts once for all of them."""
+    from tests.vllm_process import real_service  # imports this module
+
+    with real_service(tmp_path_factory.mktemp("e2e-tiny") / "var") as client:
+        yield client
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nothing listens on right now."""
     with socket.socket() as sock:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,6 @@ import pytest
 
 from service.core.tinymodel import TINY_MODEL_NAME
 from tests.conftest import API_TOKEN
-from tests.vllm_process import real_service
 
 pytestmark = pytest.mark.e2e
 
@@ -26,9 +24,8 @@ SLA_MS = 5000
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with real_service(tmp_path_factory.mktemp("e2e-capacity") / "var") as client:
-        yield client
+def service(real_tiny_service: httpx.Client) -> httpx.Client:
+    return real_tiny_service  # one service and tiny server for the tiny model's e2e modules
 
 
 def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_exist(

@@ -7,14 +7,12 @@ server metrics the service scraped around the measured requests).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import wait_finished
-from tests.vllm_process import real_service
 
 pytestmark = pytest.mark.e2e
 
@@ -22,9 +20,8 @@ POINT = {"input_len": 4096, "output_len": 16, "num_prompts": 8, "seed": 7}
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with real_service(tmp_path_factory.mktemp("e2e-seeded") / "var") as client:
-        yield client
+def service(real_tiny_service: httpx.Client) -> httpx.Client:
+    return real_tiny_service  # one service and tiny server for the tiny model's e2e modules
 
 
 def _run(client: httpx.Client, **spec: Any) -> dict[str, Any]:

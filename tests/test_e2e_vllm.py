@@ -27,7 +27,7 @@ from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, e
 from service.load.generator import make_plan
 from tests.conftest import API_TOKEN, wait_finished, wait_for
 from tests.vllm_process import free_port as _free_port
-from tests.vllm_process import real_service, start_vllm
+from tests.vllm_process import start_vllm
 from tests.vllm_process import stop as _stop
 from tests.vllm_process import wait_healthy as _wait_healthy
 
@@ -78,9 +78,8 @@ class SlowPulls:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with real_service(tmp_path_factory.mktemp("e2e") / "var") as client:
-        yield client
+def service(real_tiny_service: httpx.Client) -> httpx.Client:
+    return real_tiny_service  # one service and tiny server for the tiny model's e2e modules
 
 
 def _start_vllm(model_dir: Path, log_path: Path, *extra: str,
@@ -135,6 +134,9 @@ def _texts(client: httpx.Client, run_id: str) -> list[str]:
 
 
 def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Client) -> None:
+    # The service is shared with the tiny model's other e2e modules: its server may have
+    # served their runs already.
+    served_before = {w["id"]: w["runs_served"] for w in service.get("/api/workers").json()}
     first = _run(service, input_len=4096, output_len=32, num_prompts=16, max_concurrency=4)
     samples = service.get(f"/api/runs/{first['id']}/requests").json()
     assert len(samples) == 16
@@ -175,12 +177,14 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert second["worker_id"] == first["worker_id"]
     assert second["connector"]["pulls"] == 1
     workers = service.get("/api/workers").json()
-    assert [w["status"] for w in workers] == ["ready"]
-    assert workers[0]["kv_tokens"] > 100_000  # read from the server's cache_config_info
+    live = [(w["id"], w["status"]) for w in workers if w["status"] not in ("stopped", "failed", "removed")]
+    assert live == [(first["worker_id"], "ready")]
+    (worker,) = [w for w in workers if w["id"] == first["worker_id"]]
+    assert worker["kv_tokens"] > 100_000  # read from the server's cache_config_info
     # Started with --max-model-len -1: vLLM kept the tiny model's own length, which its KV
     # cache holds, and said so on /v1/models.
-    assert workers[0]["max_model_len"] == MAX_MODEL_LEN
-    assert workers[0]["runs_served"] == 2
+    assert worker["max_model_len"] == MAX_MODEL_LEN
+    assert worker["runs_served"] == served_before.get(worker["id"], 0) + 2
 
     # The real connector reported what the server resolved, and the run recorded it.
     prov = first["provenance"]
@@ -190,7 +194,7 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert engine["gpu_memory_utilization"] == 0.3 and engine["enforce_eager"] is True
     assert engine["load_format"] == "dummy" and engine["device"] == "cpu"
     assert engine["tensor_parallel_size"] == 1 and engine["block_size"] > 0
-    assert prov["kv_cache"]["tokens"] == prov["kv_cache_tokens"] == workers[0]["kv_tokens"]
+    assert prov["kv_cache"]["tokens"] == prov["kv_cache_tokens"] == worker["kv_tokens"]
     assert prov["versions"]["vllm"] and prov["versions"]["torch"] == importlib.metadata.version("torch")
     assert prov["hardware"]["cpu_cores"] == os.cpu_count() and prov["hardware"]["cpu_model"]
     argv = prov["worker"]["argv"]

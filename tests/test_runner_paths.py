@@ -193,8 +193,12 @@ def test_a_model_directory_gone_before_the_start_fails_the_run_and_starts_no_wor
     # No worker was started for it, and the blocker's (of another model) was not stopped
     # for it.
     workers = client.get("/api/workers").json()
-    assert [w["id"] for w in workers] == [wait_finished(client, blocker["id"])["worker_id"]]
+    blocker_worker = wait_finished(client, blocker["id"])["worker_id"]
+    assert [w["id"] for w in workers] == [blocker_worker]
     assert workers[0]["status"] == "ready" and pid_alive(workers[0]["pid"])
+    # Set aside for the failed run, it went back warm: the next run of its kind takes it.
+    again = client.post("/api/runs", json={**SLOW, "num_prompts": 2}).json()
+    assert wait_finished(client, again["id"])["worker_id"] == blocker_worker
 
 
 # ---------------------------------------------------------------- a user's cancel

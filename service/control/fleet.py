@@ -365,15 +365,22 @@ class Fleet(RegisteredServers):
                 handle.last_used = time.monotonic()
 
     async def release_evicted(self, run_id: str, placement: Placement) -> None:
-        """Servers set aside for a run that never got to stop them are stopped now:
-        nothing else holds them any more."""
+        """Servers set aside for a run that ended without stopping them: one whose stop
+        began is waited out; one it never began to stop (the run failed or was cancelled
+        before its server started) goes back to the fleet, idle and warm, as before the
+        placement: a run that failed its checks costs no one a warm server."""
         for handle in placement.evict:
-            if handle.id in self._stopping and handle.alive():
+            if handle.id not in self._stopping:
+                continue
+            if handle.id in self._stops:
                 try:
                     await self._stop(handle, "stopped", f"stopped to make room for run {run_id}")
                 except BaseException:
                     log.exception("stopping worker %s failed", handle.id)
-            elif handle.id in self._stopping:
+            elif handle.alive():
+                self._stopping.pop(handle.id, None)
+                self.workers[handle.id] = handle
+            else:
                 self._stopping.pop(handle.id, None)
 
     # ------------------------------------------------------------ a run's drivers
