@@ -80,14 +80,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return GroupScheduling(config, log)
 
 
+_TINY_SERVICE = contextlib.ExitStack()
+
+
 @pytest.fixture(scope="session")
 def real_tiny_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     """The service as a real process that starts real vLLM servers, shared by the e2e modules
-    whose runs are on the bundled tiny model: its tiny server starts once for all of them."""
+    whose runs are on the bundled tiny model: its tiny server starts once for all of them.
+    Stopped after the last test of the "vllm" group (``pytest_runtest_teardown``), not at
+    the session's end: its server's memory is then free for the tests after it."""
     from tests.vllm_process import real_service  # imports this module
 
-    with real_service(tmp_path_factory.mktemp("e2e-tiny") / "var") as client:
-        yield client
+    yield _TINY_SERVICE.enter_context(real_service(tmp_path_factory.mktemp("e2e-tiny") / "var"))
+    _TINY_SERVICE.close()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None or _group_of(nextitem.nodeid) != "vllm":
+        _TINY_SERVICE.close()  # nothing to do unless the shared tiny service runs
 
 
 def free_port() -> int:

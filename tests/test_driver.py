@@ -97,9 +97,11 @@ def test_a_service_slow_to_read_delays_samples_not_their_timing(stub: str, tmp_p
     assert all(s.success for s in samples)
     during = [s for s in samples if stalled[0] < s.start_time + s.latency and s.start_time < stalled[1]]
     assert len(during) >= 16, len(during)
-    # Timed as the stub sent them: no gap near the stall's seconds.
-    assert max(g for s in during for g in s.itl) < 0.5
-    assert max(s.ttft for s in during) < 0.5
+    # Timed as the stub sent them: no gap near the stall's seconds. A driver blocked on the
+    # full pipe (full after about 1.6 s) would show a gap of 2 s or more; a busy machine's
+    # scheduling alone shows gaps of up to about 0.5 s.
+    assert max(g for s in during for g in s.itl) < 1.0
+    assert max(s.ttft for s in during) < 1.0
 
 
 def test_quiet_is_how_long_open_streams_waited_for_bytes(tmp_path: Path) -> None:

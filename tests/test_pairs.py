@@ -28,7 +28,7 @@ from service.storage import store, sweeps
 from service.storage.db import make_engine
 from service.storage.tables import Run
 from service.web.sweep_view import sweep_public
-from tests.conftest import AUTH, ServedTestClient, make_settings, wait_finished
+from tests.conftest import AUTH, ServedTestClient, make_client, make_settings, wait_finished
 
 BASE = {"input_len": 16, "output_len": 6, "num_prompts": 4, "max_concurrency": 2}
 KEYS = ("decode_median_itl_ms", "decode_median_tpot_ms")
@@ -169,7 +169,15 @@ def test_one_pair_never_differs_and_says_how_many_to_run(client: TestClient) -> 
     assert "one pair: cannot tell; run 5 pairs" in page and 'id="fill-flags"' not in page
 
 
-def test_added_trials_join_the_pairs(client: TestClient) -> None:
+def test_added_trials_join_the_pairs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tokens 20 ms apart: on a busy machine the stub's 2 ms gaps reach a starved client in
+    # bursts, and a decode ITL of 0 has no ratio.
+    monkeypatch.setenv("STUB_TOKEN_INTERVAL_S", "0.02")
+    with make_client(tmp_path) as client:
+        _added_trials_join_the_pairs(client)
+
+
+def _added_trials_join_the_pairs(client: TestClient) -> None:
     body = {"base": {**BASE, "seed": 3}, "grid": {"input_len": [8, 12], "mode": ["fill", "prefill"]}}
     sweep = client.post("/api/sweeps", json=body).json()
     first = sweep["runs"]

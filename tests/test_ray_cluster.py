@@ -136,6 +136,18 @@ def test_a_server_node_that_dies_fails_its_run_naming_the_node(cluster: Cluster,
         cluster.remove_node(spare)
 
 
+def test_a_server_that_exits_while_starting_on_a_node_says_why(cluster: Cluster, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its process ends before the service has read a line of its log: the reason is still read
+    # from the actor on its node, not left out.
+    monkeypatch.setenv("STUB_EXIT_AT_START", "3")
+    with make_client(tmp_path, **ray_settings(cluster)) as client:
+        done = wait_finished(client, client.post("/api/runs", json=RUN).json()["id"])
+    assert done["status"] == "failed"
+    assert "exit code 3" in done["error"] and "Ray node" in done["error"], done["error"]
+    assert "stub: exiting at start as told" in done["error"], done["error"]
+
+
 def test_a_service_killed_and_restarted_leaves_nothing_on_the_cluster(cluster: Cluster,
                                                                       tmp_path: Path) -> None:
     namespace = "decodebench-test-restart"

@@ -205,7 +205,12 @@ def _service(tmp_path: Path) -> ServedTestClient:
     return make_client(tmp_path)
 
 
-def test_a_run_records_its_connector_account_and_server_view(tmp_path: Path) -> None:
+def test_a_run_records_its_connector_account_and_server_view(
+    tmp_path: Path, stub_env: pytest.MonkeyPatch
+) -> None:
+    # Tokens 20 ms apart: on a busy machine the stub's 2 ms gaps reach a starved client in
+    # bursts, which the run would rightly warn of (bunched_streams).
+    stub_env.setenv("STUB_TOKEN_INTERVAL_S", "0.02")
     with _service(tmp_path) as client:
         run = client.post("/api/runs", json={"input_len": 64, "output_len": 40, "num_prompts": 6,
                                              "max_concurrency": 3, "warmup_prompts": 1}).json()

@@ -82,6 +82,7 @@ class RayProcess:
         self.node: dict[str, Any] = {}
         self.gone: str | None = None
         self.last_tail = ""
+        self._read_after_gone = False
 
     def poll(self) -> int | None:
         return self.returncode
@@ -102,8 +103,11 @@ class RayProcess:
         return NodeMeter(self)
 
     def tail(self) -> str:
-        """The server's last log lines, read on its node (blocking; from a thread)."""
-        if self.gone is None:
+        """The server's last log lines, read on its node (blocking; from a thread). Once the
+        process has ended they are read once more, unless read already: the actor outlives
+        its server, and a server that died starting has said why only in its log."""
+        if self.gone is None or not self._read_after_gone:
+            self._read_after_gone = self.gone is not None
             with contextlib.suppress(RayError, GetTimeoutError):
                 self.last_tail = str(ray.get(self.actor.tail.remote(), timeout=ASK_TIMEOUT_S))
         if self.gone is not None:
