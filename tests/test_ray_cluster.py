@@ -49,8 +49,11 @@ def cluster() -> Iterator[Cluster]:
 
 
 def ray_settings(cluster: Cluster, namespace: str = NAMESPACE) -> dict[str, Any]:
+    # A driver silent for 60 s is hung here, not 15: these tests are not about the hang check
+    # (test_ray_drivers.py is), and on a machine the rest of the suite keeps busy a driver host
+    # starting on a node can be silent for longer than 15 s.
     return {"ray_address": cluster.address, "ray_namespace": namespace, "ray_server_host": "127.0.0.1",
-            "ray_forward_env": "VLLM_,STUB_"}
+            "ray_forward_env": "VLLM_,STUB_", "driver_hang_s": 60.0}
 
 
 def our_actors(namespace: str = NAMESPACE) -> list[str]:
