@@ -249,7 +249,7 @@ def wait_for(
         run = client.get(f"/api/runs/{run_id}").json()
         if done(run):
             return run
-        time.sleep(0.1)
+        time.sleep(0.2)
     raise AssertionError(f"run {run_id} did not get there in {timeout} s; last seen: {run}")
 
 

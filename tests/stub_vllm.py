@@ -107,6 +107,14 @@ class Connector:
         self.modes: dict[str, str] = {}
         self.counters: dict[str, dict[str, int]] = {}
         self.lock = asyncio.Lock()
+        self._http: httpx.AsyncClient | None = None
+
+    def http(self) -> httpx.AsyncClient:
+        """One client for the stub's life: a new httpx client builds a TLS context (its CA
+        file read and parsed), which per report was most of a stub's CPU time."""
+        if self._http is None:
+            self._http = httpx.AsyncClient()
+        return self._http
 
     def configure(self, kv_transfer_config: dict[str, Any]) -> None:
         """Take a ``--kv-transfer-config`` (a registered server's, given after its start)."""
@@ -144,9 +152,8 @@ class Connector:
         if self.url is None or os.environ.get("STUB_NO_PROVENANCE"):
             return
         with contextlib.suppress(httpx.HTTPError):
-            async with httpx.AsyncClient() as client:
-                await client.post(f"{self.url}/api/connector/provenance", headers=self.headers,
-                                  json=self.provenance().model_dump())
+            await self.http().post(f"{self.url}/api/connector/provenance", headers=self.headers,
+                                   json=self.provenance().model_dump())
 
     async def admitted(self, run_id: str, seeding: bool = False) -> None:
         """Count one request of ``run_id`` (``seeding``: of its seeding pass, tagged so),
@@ -155,9 +162,8 @@ class Connector:
             return
         async with self.lock:  # one pull per run, however many requests arrive at once
             if run_id not in self.modes:
-                async with httpx.AsyncClient() as client:
-                    answer = await client.get(f"{self.url}/api/connector/fill",
-                                              params={"run_id": run_id}, headers=self.headers)
+                answer = await self.http().get(f"{self.url}/api/connector/fill",
+                                               params={"run_id": run_id}, headers=self.headers)
                 self.modes[run_id] = (FillAnswer.model_validate(answer.json()).mode
                                       if answer.status_code == 200 else "unresolved")
         mode = self.modes[run_id]
@@ -177,10 +183,9 @@ class Connector:
         worker = ConnectorReport(role="worker", rank=0, runs={
             run: RunCounters(requests_filled=c.get("filled_requests", 0))
             for run, c in self.counters.items()})
-        async with httpx.AsyncClient() as client:
-            for report in (scheduler, worker):
-                await client.post(f"{self.url}/api/connector/report", headers=self.headers,
-                                  json=report.model_dump(exclude_none=True))
+        for report in (scheduler, worker):
+            await self.http().post(f"{self.url}/api/connector/report", headers=self.headers,
+                                   json=report.model_dump(exclude_none=True))
 
 
 def build_app(served_name: str, interval: float, startup_delay: float,
