@@ -30,10 +30,12 @@ AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 # `make test` runs the suite on several workers (pytest-xdist). Tests are handed out by
 # group, and a group runs whole on one worker:
-# - "vllm": the modules that start real vLLM servers (`test_e2e_*.py`), one after the other,
-#   so no two real-shaped servers share the machine's memory at once and a server a module
-#   (or `real_tiny_service`) holds is started once;
-# - "ray": the Ray modules (`test_ray_*.py`): a cluster is several raylets, one at a time;
+# - "vllm": the modules that start real vLLM servers (`test_e2e_*.py`, on Ray too), one after
+#   the other, so no two of their servers share the machine's memory at once (vLLM on a CPU
+#   refuses to start when its share is not free) and a server a module (or
+#   `real_tiny_service`) holds is started once;
+# - "ray": the other Ray modules (`test_ray_*.py`, stub servers): a cluster is several
+#   raylets, one of these at a time (Ray picks free ports: two clusters can run at once);
 # - otherwise its own file, so a module's fixtures (a shared service, a browser) are built once.
 # The groups go out heaviest first (the collection order below; the scheduler keeps it), so the
 # longest one does not start last. xdist's own `xdist_group` marks are not used: with pytest
