@@ -252,13 +252,14 @@ def test_hostile_bodies_get_a_clear_4xx_and_store_nothing(service: ServiceProces
         warm = _rss_kib(service)
         # Parsing 1 MiB bodies takes memory once (measured: about 30 MiB on the first pass,
         # 5 on the second); the allocator keeps it for the next. Flat: the same corpus
-        # four more times takes no more.
+        # four more times takes no more than the noise of a busy machine (up to 9 MiB seen
+        # with the suite running beside it), where keeping the bodies would take 30 MiB a pass.
         for _ in range(4):
             _post_corpus(client)
         again_mib = (_rss_kib(service) - warm) / 1024
         print(f"{sum(answers.values())} hostile bodies: {dict(sorted(answers.items()))}; RSS "
               f"{(warm - start) / 1024:.1f} MiB up over 2 passes, {again_mib:.1f} MiB over 4 more")
         assert client.get("/api/runs").json()["total"] == runs_before
-        assert again_mib < 8
+        assert again_mib < 16
         # Still healthy after all of it.
         assert client.get("/healthz").json()["status"] == "ok"
