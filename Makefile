@@ -49,19 +49,21 @@ lint: setup-dev
 	$(VENV)/bin/ruff check service connector tests benchmarks
 	$(VENV)/bin/mypy
 
-# Several workers (pytest-xdist): the real vLLM tests run one after another on one worker,
-# the Ray tests on another, every other file whole on the next free one (tests/conftest.py).
-# Most tests wait on processes more than they compute, so more workers than cores pay.
-TEST_WORKERS ?= 4
-XDIST := -n $(TEST_WORKERS)
+# Workers (pytest-xdist): the real vLLM tests run one after another on one worker, the Ray
+# tests on another, every other file whole on the next free one (tests/conftest.py).
+# `make test` runs on one (0: no workers; what CI runs) until the whole suite passes on
+# several every time: on 4 it takes about 15 minutes instead of 31, but on 2 cores its own
+# load still fails a few timing-bound tests now and then (ARCHITECTURE.md, "Tests").
+TEST_WORKERS ?= 0
+QUICK_WORKERS ?= 4
 
 test: setup-dev browser compose-tool lint
-	$(PY) -m pytest -x -q --durations=25 $(XDIST)
+	$(PY) -m pytest -x -q --durations=25 -n $(TEST_WORKERS)
 
 # The edit-test loop: every test but those that start a real vLLM server (e2e), a Ray
 # cluster or a browser, or fuzz for minutes (slow). No lint; `make test` is the whole suite.
 test-quick: setup-dev compose-tool
-	$(PY) -m pytest -x -q --durations=10 -m "not e2e and not slow" $(XDIST)
+	$(PY) -m pytest -x -q --durations=10 -m "not e2e and not slow" -n $(QUICK_WORKERS)
 
 # token_stub.py (the stub server) and harness.py (process helpers) are not benchmarks.
 BENCHES := $(filter-out benchmarks/token_stub.py benchmarks/harness.py,$(wildcard benchmarks/*.py))
