@@ -28,8 +28,8 @@ API_TOKEN = "test-api-token"
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 
-# `make test` runs the suite on several workers (pytest-xdist). Tests are handed out by
-# group, and a group runs whole on one worker:
+# On pytest-xdist workers (`make test TEST_WORKERS=4`, `make test-quick`) tests are handed out
+# by group, and a group runs whole on one worker (on one process the groups set the order):
 # - "vllm": the modules that start real vLLM servers (`test_e2e_*.py`, on Ray too), one after
 #   the other, so no two of their servers share the machine's memory at once (vLLM on a CPU
 #   refuses to start when its share is not free) and a server a module (or
@@ -51,7 +51,7 @@ def _group_of(nodeid: str) -> str:
 
 def _rank(item: pytest.Item) -> tuple[int, int]:
     group = _group_of(item.nodeid)
-    if item.get_closest_marker("e2e") is not None and group not in ("vllm", "ray"):
+    if item.get_closest_marker("e2e") is not None and group != "vllm":
         raise pytest.UsageError(f"{item.nodeid} starts a real vLLM server (e2e): its module's "
                                 "name must start with test_e2e_ to run with the other such tests")
     if group == "vllm":
