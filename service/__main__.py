@@ -16,6 +16,8 @@ from service.app import create_app
 from service.settings import Settings
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+# Seconds an idle kept-alive HTTP connection stays open (see `main`).
+KEEP_ALIVE_S = 75
 
 
 def refuse_open_bind(settings: Settings) -> str | None:
@@ -136,7 +138,12 @@ def main() -> None:
     # collector's full passes, which would otherwise stall the load generator mid-run.
     gc.collect()
     gc.freeze()
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info")
+    # An idle kept-alive connection stays open longer than clients keep theirs (httpx, which
+    # the CLI and the connector use, drops one idle 5 s; browsers 60 s or more). uvicorn's own
+    # 5 s closed it as a client could be sending on it, and that request failed with
+    # "Server disconnected without sending a response": now and then on a busy machine.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                            timeout_keep_alive=KEEP_ALIVE_S)
     # After the Config: it sets up uvicorn's loggers, and would drop a filter added before.
     logging.getLogger("uvicorn.access").addFilter(
         AccessLines(settings.access_log, settings.log_connector_traffic))

@@ -116,22 +116,28 @@ class ServiceProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / "service.log"
 
-    def start(self, timeout: float = 30) -> float:
-        """Start the service and wait until /healthz answers; return how long that took."""
+    def start(self, timeout: float = 120) -> float:
+        """Start the service and wait until /healthz answers; return how long that took.
+        A service that does not come up is stopped, its workers with it."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            assert self.proc.poll() is None, self.log()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() - started < timeout, "service did not come up"
-            time.sleep(0.05)
+        try:
+            while True:
+                assert self.proc.poll() is None, self.log()[-3000:]
+                try:
+                    if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                        return time.monotonic() - started
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() - started < timeout, \
+                    f"service did not come up in {timeout:.0f} s: {self.log()[-3000:]}"
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
 
     def client(self) -> httpx.Client:
         """An HTTP client for this service that sends the API token."""
@@ -160,6 +166,8 @@ class ServiceProcess:
 
     def _kill_workers(self) -> None:
         db = self.data_dir / "decodebench.sqlite3"
+        if not db.exists():  # it died before it made its store: it started no worker
+            return
         with sqlite3.connect(db) as conn:
             pids = [row[0] for row in conn.execute("SELECT pid FROM worker WHERE pid IS NOT NULL")]
         for pid in pids:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -274,6 +275,26 @@ def test_concurrent_posts_with_idempotency_keys_create_one_run_per_key(service: 
     assert sum(code == 201 for code, _ in results) == 50
     assert len({run_id for _, run_id in results}) == 50
     assert httpx.get(f"{service.url}/api/runs?limit=500", headers=AUTH).json()["total"] == 50
+
+
+def test_an_idle_kept_alive_connection_outlives_an_http_clients_own_expiry(service: ServiceProcess) -> None:
+    # httpx (the CLI's and the connector's client) reuses a connection idle up to 5 s. A
+    # service that closed it at 5 s could close it under a request just sent on it, which
+    # then fails with "Server disconnected without sending a response".
+    request = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{service.port}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", service.port), timeout=30) as conn:
+        for _ in range(2):
+            conn.sendall(request)
+            data = b""
+            while b"\r\n\r\n" not in data or len(body) < length:
+                chunk = conn.recv(4096)
+                assert chunk, "the service closed the kept-alive connection"
+                data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+                length = int(fields.get(b"content-length", b"0"))
+            assert head.startswith(b"HTTP/1.1 200"), head
+            time.sleep(6)
 
 
 # Twelve clients at once, each this many rounds of submit, read, list (and a cancel every
