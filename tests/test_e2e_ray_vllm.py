@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -51,13 +52,22 @@ def _run_texts(tmp_path: Path, **settings: Any) -> tuple[list[str], dict[str, An
     return [s["generated_text"] for s in sorted(samples, key=lambda s: s["index"])], done, worker
 
 
-def test_a_vllm_server_on_ray_generates_what_a_local_one_does(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_vllm_server_on_ray_generates_what_a_local_one_does(
+        cluster: Cluster, real_tiny_service: httpx.Client, tmp_path: Path) -> None:
     on_ray, run, worker = _run_texts(tmp_path / "ray", ray_address=cluster.address, ray_namespace=NAMESPACE,
                                      ray_server_host="127.0.0.1", ray_server_cpus=1.0)
     assert worker["backend"] == "ray" and worker["node"]["id"]
     # The connector pulled this run's values from the service and reported what it filled.
     assert run["connector"]["pulls"] >= 1
     assert run["connector"]["filled_requests"] == 3 and run["connector"]["other_requests"] == 0
-    local, _, local_worker = _run_texts(tmp_path / "local")
+    # The same run on a local server: the tiny server the other e2e modules share (its KV
+    # cache the CPU default's size; the cache's size changes no token), not one more start.
+    local_spec = {key: value for key, value in SPEC.items() if key != "engine"}
+    local_id = real_tiny_service.post("/api/runs", json=local_spec).json()["id"]
+    local_run = wait_finished(real_tiny_service, local_id, timeout=600)
+    assert local_run["status"] == "succeeded", local_run["error"]
+    local_worker = real_tiny_service.get(f"/api/workers/{local_run['worker_id']}").json()
     assert local_worker["backend"] == "local"
+    samples = real_tiny_service.get(f"/api/runs/{local_id}/requests").json()
+    local = [s["generated_text"] for s in sorted(samples, key=lambda s: s["index"])]
     assert on_ray == local and all(on_ray)
