@@ -10,6 +10,12 @@ EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) install --quiet
 # GPU extra when an NVIDIA driver answers, CPU extra otherwise.
 EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
+# The suite starts hundreds of Python processes (services, stub servers, the CLI): with
+# PYTHONDONTWRITEBYTECODE set (some images set it) each compiles this checkout's modules
+# again, and pytest rewrites every test module again in each worker. Bytecode is cached
+# under __pycache__ (ignored by git) instead.
+unexport PYTHONDONTWRITEBYTECODE
+
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup setup-dev browser compose-tool run test test-quick lint bench clean
