@@ -327,7 +327,12 @@ def test_the_export_refuses_percentile_options_it_cannot_honour(service: Any) ->
         assert answer.status_code == 422 and named in answer.text, (params, answer.text)
     live = service.get(f"/api/runs/{run['id']}/live").json()
     assert (live["completed"], live["total"], live["status"]) == (2, 2, "succeeded")
-    assert live["eta_s"] is None and live["elapsed_s"] > 0 and live["decode_median_itl_ms"] > 0
+    # A finished run's decode figure is its summary's. (Not "> 0": on a busy machine the
+    # client can read a fast stub's tokens in one chunk, gaps of 0 ms.)
+    summary = service.get(f"/api/runs/{run['id']}").json()["summary"]
+    assert live["eta_s"] is None and live["elapsed_s"] > 0
+    assert live["decode_gaps"] == summary["decode_gaps"] > 0
+    assert live["decode_median_itl_ms"] == summary["decode_median_itl_ms"] >= 0
 
 
 
