@@ -56,11 +56,10 @@ lint: setup-dev
 	$(VENV)/bin/mypy
 
 # Workers (pytest-xdist): the real vLLM tests run one after another on one worker, the Ray
-# tests on another, every other file whole on the next free one (tests/conftest.py).
-# `make test` runs on one (0: no workers; what CI runs) until the whole suite passes on
-# several every time: on 4 it takes about 15 minutes instead of 31, but on 2 cores its own
-# load still fails a few timing-bound tests now and then (ARCHITECTURE.md, "Tests").
-TEST_WORKERS ?= 0
+# tests on another, every other file whole on the next free one (tests/conftest.py). On a
+# 2-core machine 4 workers take about 14 minutes where one process takes 31; TEST_WORKERS=0
+# runs it on one process.
+TEST_WORKERS ?= 4
 QUICK_WORKERS ?= 4
 
 test: setup-dev browser compose-tool lint
