@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.control.local import rpc_dir
 from service.core.spec import RunSpec
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
 from service.load.generator import make_plan
@@ -151,6 +152,10 @@ def test_fill_run_succeeds_and_a_second_run_reuses_the_server(service: httpx.Cli
     assert summary["output_throughput"] > 0
     # The connector asked the service for this run's parameters (once: they are cached).
     assert first["connector"]["pulls"] == 1
+    # vLLM made its inter-process sockets in the server's own directory (removed when the
+    # server stops), not loose in the temp dir, where a stopped server's stay.
+    sockets = list(rpc_dir(first["worker_id"]).iterdir())
+    assert sockets and all(path.is_socket() for path in sockets), sockets
     # vLLM bound the worker the way the service asked: one core reserved, as for a server
     # without a connector (service/control/cpu_binding.py), not none.
     binding = first["cpu_binding"]

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.control.local import rpc_dir
 from tests.service_process import ServiceProcess, group_pids
 
 GRACE_S = 2.0
@@ -98,6 +99,8 @@ def test_stopping_the_service_stops_a_server_in_every_phase_of_its_start(tmp_pat
                 assert time.monotonic() < deadline, f"the server never got {phase}"
                 time.sleep(0.1)
         assert worker["status"] == "starting"
+        # vLLM's sockets go in a directory of the server's own, not loose in the temp dir.
+        assert rpc_dir(worker["id"]).is_dir()
         assert service.proc is not None
         started = time.monotonic()
         service.proc.send_signal(signal.SIGTERM)
@@ -105,6 +108,7 @@ def test_stopping_the_service_stops_a_server_in_every_phase_of_its_start(tmp_pat
         took = time.monotonic() - started
         # Gone by the time the service has exited: it waited for the SIGKILL after the grace.
         assert group_pids(pgid) == [], f"left running after the service stopped: {group_pids(pgid)}"
+        assert not rpc_dir(worker["id"]).exists()
         assert took < GRACE_S + 8, took
     finally:
         service.stop()

@@ -19,7 +19,9 @@ import asyncio
 import logging
 import os
 import secrets
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +61,19 @@ from service.storage import workers
 from service.storage.logs import last_lines, log_end
 from service.storage.tables import Worker
 from service.storage.workers import hash_token
+
+
+def rpc_dir(worker_id: str) -> Path:
+    """Where a server's vLLM makes its inter-process sockets (``VLLM_RPC_BASE_PATH``): a
+    directory of its own in the system's temp directory, removed once the server stopped.
+    vLLM's default is the temp directory itself, and a process group stopped by signal
+    leaves its sockets there (seven a server start on a CPU). Short, as a socket's path
+    is at most 107 bytes."""
+    return Path(tempfile.gettempdir()) / f"decodebench-rpc-{worker_id}"
+
+
+def remove_rpc_dir(worker_id: str) -> None:
+    shutil.rmtree(rpc_dir(worker_id), ignore_errors=True)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +140,7 @@ class LocalServers:
         url = f"http://127.0.0.1:{port}"
         env = dict(os.environ)
         env[WORKER_ENV] = worker_id
+        env["VLLM_RPC_BASE_PATH"] = str(rpc_dir(worker_id))
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
         )
@@ -153,17 +169,24 @@ class LocalServers:
             provenance={"launch": provenance.launch(argv, env, token)},
         ))
         log.info("starting vLLM server %s for %s on port %s (log %s)", worker_id, spec.model, port, log_path)
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(self.settings.data_dir),
-            # Its own process group (stopped as one), in the service's session: see
-            # ``service.control.procs.SAME_SESSION``.
-            process_group=0,
-        )
+        # Made here, with no await before the process holds it: a run cancelled at an
+        # await above leaves no directory behind.
+        rpc_dir(worker_id).mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(self.settings.data_dir),
+                # Its own process group (stopped as one), in the service's session: see
+                # ``service.control.procs.SAME_SESSION``.
+                process_group=0,
+            )
+        except BaseException:
+            remove_rpc_dir(worker_id)
+            raise
         assert process.stdout is not None
         copier = threading.Thread(
             target=drain_to_capped_file,
@@ -285,6 +308,7 @@ class LocalServers:
         assert isinstance(handle.process, subprocess.Popen), "only workers started here are stopped here"
         self.tokens.pop(handle.id, None)
         await asyncio.to_thread(stop_process_group, handle.process, self.settings.worker_stop_grace_s)
+        await asyncio.to_thread(remove_rpc_dir, handle.id)
         await asyncio.to_thread(workers.update_worker, self.engine, handle.id, status=status,
                                 stopped_at=utcnow(), error=error)
         log.info("vLLM server %s %s%s", handle.id, status, f": {error}" if error else "")
@@ -296,6 +320,7 @@ class LocalServers:
 
         def bury(process: subprocess.Popen[bytes]) -> None:
             stop_process_group(process, 0)
+            remove_rpc_dir(handle.id)
             workers.update_worker(self.engine, handle.id, status="failed", stopped_at=utcnow(), error=error)
 
         await asyncio.to_thread(bury, handle.process)
@@ -325,6 +350,7 @@ class LocalServers:
                 log.warning("stopping orphaned worker %s (pid %s)", worker.id, worker.pid)
                 kill_group(worker.pid, self.settings.worker_stop_grace_s)
                 stopped += 1
+            remove_rpc_dir(worker.id)
             workers.update_worker(self.engine, worker.id, status="stopped", stopped_at=utcnow(),
                                 error="service restarted; worker stopped")
         return stopped
