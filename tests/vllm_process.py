@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,11 +76,17 @@ def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, d
             "--kv-cache-memory-bytes", str(kv_bytes), *extra]
     # The connector package is importable the way a user installs it next to vLLM.
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
+    # Its sockets in a directory of its own, removed by ``stop``, as the service does.
+    rpc = Path(tempfile.mkdtemp(prefix="decodebench-test-rpc-"))
+    env = {**os.environ, "PYTHONPATH": path, "VLLM_RPC_BASE_PATH": str(rpc)}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=env)
+    _RPC_DIRS[proc.pid] = rpc
     return proc, f"http://127.0.0.1:{port}"
+
+
+_RPC_DIRS: dict[int, Path] = {}
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
@@ -105,3 +113,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    rpc = _RPC_DIRS.pop(proc.pid, None)
+    if rpc is not None:
+        shutil.rmtree(rpc, ignore_errors=True)
