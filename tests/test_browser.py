@@ -255,8 +255,12 @@ def test_sweep_with_repeats_draws_bands_and_shows_fill_verdicts(
 def test_compare_page_shows_verdicts(pages: dict[str, str], tmp_path: Path) -> None:
     dom, _ = _browse(pages["compare_points"], tmp_path / "profile", "--dump-dom")
     table = dom.split('id="compare"')[1].split("</table>")[0]
-    verdicts = re.findall(r"(different at 95%|not distinguishable at 95%|no interval)", table)
-    assert len(verdicts) == 11
+    # One verdict per compared metric, in its own span (the words alone also appear in the
+    # note under a change without an interval: "no interval to tell noise apart").
+    verdicts = re.findall(r'<span class="change verdict-[^"]*"[^>]*>([^<]*)</span>', table)
+    assert len(verdicts) == 11, verdicts
+    worded = r"different at 95%|not distinguishable at 95%|^no interval"
+    assert all(re.search(worded, v) for v in verdicts), verdicts
     # The two groups are the fill and the prefill arm of one point, run as pairs: the
     # interval is the paired one, over the trials' pairs.
     assert "paired t over pairs" in table
