@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from service.control.local import remove_rpc_dir
 from tests.conftest import API_TOKEN, AUTH, STUB_COMMAND
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,6 +175,10 @@ class ServiceProcess:
             if pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
+        # As a restarted service would (``LocalServers.reap_orphans``): their socket directories.
+        with sqlite3.connect(db) as conn:
+            for (worker_id,) in conn.execute("SELECT id FROM worker"):
+                remove_rpc_dir(worker_id)
 
     def log(self) -> str:
         """The service's output so far."""

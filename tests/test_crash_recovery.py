@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.control.local import rpc_dir
 from tests.conftest import AUTH
 from tests.service_process import ServiceProcess, pid_alive
 
@@ -80,6 +81,10 @@ def test_service_killed_ten_times_loses_nothing_and_leaves_no_orphans(tmp_path: 
             orphans = [pid for pid in pids if pid_alive(pid)]
             figures["orphans_left"] += len(orphans)
             assert not orphans, f"trial {trial}: worker processes left behind: {orphans}"
+            # Nor their socket directories: the restart removes those of the workers it reaps.
+            dirs = [w["id"] for w in workers if w["pid"] and rpc_dir(w["id"]).exists()
+                    and w["status"] in ("starting", "ready")]
+            assert not dirs, f"trial {trial}: socket directories left behind: {dirs}"
         # Let the rest finish: every queued run must run to its end.
         final = _wait(service.url, lambda runs: all(
             r["status"] in ("succeeded", "failed") for r in runs.values()), timeout=180)
