@@ -170,15 +170,13 @@ class ServiceProcess:
         if not db.exists():  # it died before it made its store: it started no worker
             return
         with sqlite3.connect(db) as conn:
-            pids = [row[0] for row in conn.execute("SELECT pid FROM worker WHERE pid IS NOT NULL")]
-        for pid in pids:
-            if pid_alive(pid):
+            rows = conn.execute("SELECT id, pid FROM worker").fetchall()
+        for worker_id, pid in rows:
+            if pid is not None and pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
-        # As a restarted service would (``LocalServers.reap_orphans``): their socket directories.
-        with sqlite3.connect(db) as conn:
-            for (worker_id,) in conn.execute("SELECT id FROM worker"):
-                remove_rpc_dir(worker_id)
+            # As a restarted service would (``LocalServers.reap_orphans``): its socket directory.
+            remove_rpc_dir(worker_id)
 
     def log(self) -> str:
         """The service's output so far."""

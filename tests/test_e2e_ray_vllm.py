@@ -39,6 +39,12 @@ def cluster() -> Iterator[Cluster]:
     made.shutdown()
 
 
+def _texts(client: Any, run_id: str) -> list[str]:
+    """A run's generated texts, in request order."""
+    samples = client.get(f"/api/runs/{run_id}/requests").json()
+    return [s["generated_text"] for s in sorted(samples, key=lambda s: s["index"])]
+
+
 def _run_texts(tmp_path: Path, **settings: Any) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
     """A fill run on a real vLLM server: its generated texts, the run, and its server."""
     with make_client(tmp_path, vllm_command=None, worker_start_timeout_s=300, **settings) as client:
@@ -47,9 +53,9 @@ def _run_texts(tmp_path: Path, **settings: Any) -> tuple[list[str], dict[str, An
         assert done["status"] == "succeeded", done["error"]
         # The connector's report arrives about once a second after its last request.
         done = wait_for(client, run_id, lambda r: r["connector"].get("requests_filled") == 3, timeout=30)
-        samples = client.get(f"/api/runs/{run_id}/requests").json()
         worker = client.get(f"/api/workers/{done['worker_id']}").json()
-    return [s["generated_text"] for s in sorted(samples, key=lambda s: s["index"])], done, worker
+        texts = _texts(client, run_id)
+    return texts, done, worker
 
 
 def test_a_vllm_server_on_ray_generates_what_a_local_one_does(
@@ -68,6 +74,5 @@ def test_a_vllm_server_on_ray_generates_what_a_local_one_does(
     assert local_run["status"] == "succeeded", local_run["error"]
     local_worker = real_tiny_service.get(f"/api/workers/{local_run['worker_id']}").json()
     assert local_worker["backend"] == "local"
-    samples = real_tiny_service.get(f"/api/runs/{local_id}/requests").json()
-    local = [s["generated_text"] for s in sorted(samples, key=lambda s: s["index"])]
+    local = _texts(real_tiny_service, local_id)
     assert on_ray == local and all(on_ray)

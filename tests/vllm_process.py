@@ -64,6 +64,10 @@ def real_service(data_dir: Path, **env_extra: str) -> Iterator[httpx.Client]:
             proc.wait()
 
 
+# A started server's socket directory, by its pid: ``stop`` removes it.
+_RPC_DIRS: dict[int, Path] = {}
+
+
 def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, dtype: str = "float32",
                kv_bytes: int = 1 << 30, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """A plain vLLM server on ``model_dir`` with dummy weights, in a session of its own
@@ -84,9 +88,6 @@ def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, d
                                 env=env)
     _RPC_DIRS[proc.pid] = rpc
     return proc, f"http://127.0.0.1:{port}"
-
-
-_RPC_DIRS: dict[int, Path] = {}
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
