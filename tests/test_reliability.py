@@ -1,28 +1,26 @@
-"""Fault injection: crashed, hung and stubborn vLLM servers, cancels, and concurrent clients.
+"""Fault injection: crashed, hung and stubborn vLLM servers, servers that cannot start, and
+cancels while a server starts or hangs.
 
 The stub server (``tests/stub_vllm.py``) fails on purpose, as told by environment
-variables the service passes on to its workers.
+variables the service passes on to its workers. Faults of the load drivers are in
+``test_driver_faults.py``; concurrent clients of one service in ``test_concurrent_clients.py``.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
-from tests.conftest import AUTH, wait_finished, wait_for
-from tests.service_process import ServiceProcess, driver_pids, group_pids, host_pids, pid_alive
+from tests.conftest import wait_finished, wait_for
+from tests.service_process import group_pids, pid_alive
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 10, "max_concurrency": 2}
+# Requests of 40 tokens: a run long enough to act on (cancel, kill its driver) while it runs.
+SLOW_RUN = {"input_len": 16, "output_len": 40, "num_prompts": 12, "max_concurrency": 2}
 
 
 def test_worker_that_crashes_mid_run_fails_the_run_with_its_log(stub_service: Any,
@@ -251,193 +249,3 @@ def test_stopping_a_worker_stops_its_whole_group_even_if_it_ignores_sigterm(
     client.__exit__(None, None, None)  # the service's shutdown
     assert not pid_alive(worker["pid"])
     assert not pid_alive(grandchild)
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess(tmp_path / "var", {"STUB_TOKEN_INTERVAL_S": "0.001"})
-    proc.start()
-    yield proc
-    proc.stop()
-
-
-def test_concurrent_posts_with_idempotency_keys_create_one_run_per_key(service: ServiceProcess) -> None:
-    body = {"input_len": 8, "output_len": 2, "num_prompts": 1}
-
-    def post(i: int) -> tuple[int, str]:
-        r = httpx.post(f"{service.url}/api/runs", json=body,
-                       headers={"Idempotency-Key": f"key-{i % 50}", **AUTH}, timeout=60)
-        return r.status_code, r.json()["id"]
-
-    with ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(post, range(200)))
-    assert {code for code, _ in results} <= {200, 201}
-    assert sum(code == 201 for code, _ in results) == 50
-    assert len({run_id for _, run_id in results}) == 50
-    assert httpx.get(f"{service.url}/api/runs?limit=500", headers=AUTH).json()["total"] == 50
-
-
-def test_an_idle_kept_alive_connection_outlives_an_http_clients_own_expiry(service: ServiceProcess) -> None:
-    # httpx (the CLI's and the connector's client) reuses a connection idle up to 5 s. A
-    # service that closed it at 5 s could close it under a request just sent on it, which
-    # then fails with "Server disconnected without sending a response".
-    request = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{service.port}\r\n\r\n".encode()
-    with socket.create_connection(("127.0.0.1", service.port), timeout=30) as conn:
-        for _ in range(2):
-            conn.sendall(request)
-            data = b""
-            while True:
-                chunk = conn.recv(4096)
-                assert chunk, "the service closed the kept-alive connection"
-                data += chunk
-                head, found, body = data.partition(b"\r\n\r\n")
-                fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
-                if found and len(body) >= int(fields.get(b"content-length", b"0")):
-                    break
-            assert head.startswith(b"HTTP/1.1 200"), head
-            time.sleep(6)
-
-
-# Twelve clients at once, each this many rounds of submit, read, list (and a cancel every
-# third round): every round of all twelve overlaps the others' writes and the scheduler's.
-ROUNDS = 8
-
-
-def test_many_clients_and_the_scheduler_never_hit_a_locked_database(service: ServiceProcess) -> None:
-    def client(i: int) -> list[int]:
-        codes = []
-        with service.client() as c:
-            for j in range(ROUNDS):
-                r = c.post("/api/runs", json={"input_len": 8, "output_len": 2, "num_prompts": 2})
-                codes.append(r.status_code)
-                run_id = r.json()["id"]
-                codes.append(c.get(f"/api/runs/{run_id}").status_code)
-                codes.append(c.get("/api/runs?limit=20").status_code)
-                if j % 3 == 0:
-                    codes.append(c.post(f"/api/runs/{run_id}/cancel").status_code)
-        return codes
-
-    with ThreadPoolExecutor(12) as pool:
-        codes = [code for result in pool.map(client, range(12)) for code in result]
-    assert all(code < 500 for code in codes), sorted(set(codes))
-    assert set(codes) <= {200, 201, 409}
-    runs = httpx.get(f"{service.url}/api/runs?limit=500", headers=AUTH).json()
-    assert runs["total"] == 12 * ROUNDS
-    # The scheduler kept working through it all: every run ends (or is on its way). About
-    # 64 runs go one after the other, each with a load driver process of its own.
-    with service.client() as c:
-        wait_for(c, runs["runs"][0]["id"], lambda r: r["status"] in {"succeeded", "cancelled"},
-                 timeout=300)
-    assert "locked" not in service.log()
-
-
-# ---------------------------------------------------------------- load driver processes
-
-SLOW_RUN = {"input_len": 16, "output_len": 40, "num_prompts": 12, "max_concurrency": 2}
-
-
-def _driver_of_running_run(client: TestClient, run_id: str) -> int:
-    wait_for(client, run_id, lambda r: r["status"] == "running" and r["summary"] is None
-             and r["progress"]["completed"] >= 2)
-    deadline = time.monotonic() + 10
-    while not (pids := driver_pids(run_id=run_id)):
-        assert time.monotonic() < deadline, "no load driver process found"
-        time.sleep(0.05)
-    assert len(pids) == 1  # 2 streams: one shard
-    return pids[0]
-
-
-def test_load_is_driven_from_a_process_of_its_own_that_ends_with_the_run(stub_service: Any) -> None:
-    client = stub_service({"STUB_TOKEN_INTERVAL_S": "0.02"})
-    run = client.post("/api/runs", json=SLOW_RUN).json()
-    pid = _driver_of_running_run(client, run["id"])
-    assert pid != os.getpid()
-    # Samples reach the database while the run goes on, not only at its end.
-    assert client.get(f"/api/runs/{run['id']}/requests").json()
-    done = wait_finished(client, run["id"])
-    assert done["status"] == "succeeded" and done["summary"]["completed"] == 12
-    samples = client.get(f"/api/runs/{run['id']}/requests").json()
-    assert sorted(s["index"] for s in samples) == list(range(12))  # each exactly once
-    assert not pid_alive(pid)
-
-
-def test_a_driver_that_dies_fails_its_run_and_keeps_what_it_measured(stub_service: Any) -> None:
-    client = stub_service({"STUB_TOKEN_INTERVAL_S": "0.02"})
-    run = client.post("/api/runs", json=SLOW_RUN).json()
-    pid = _driver_of_running_run(client, run["id"])
-    os.kill(pid, signal.SIGKILL)
-    done = wait_finished(client, run["id"], timeout=30)
-    assert done["status"] == "failed"
-    assert "load driver 0 exited with code -9" in done["error"]
-    kept = client.get(f"/api/runs/{run['id']}/requests").json()
-    assert 2 <= len(kept) < 12 and done["progress"]["completed"] == len(kept)
-    # The worker was fine: the next run uses it.
-    again = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"])
-    assert again["status"] == "succeeded" and again["worker_id"] == done["worker_id"]
-
-
-def test_a_driver_that_hangs_fails_its_run_with_a_reason_and_is_stopped(stub_service: Any) -> None:
-    client = stub_service({"STUB_TOKEN_INTERVAL_S": "0.02"}, driver_hang_s=2)
-    run = client.post("/api/runs", json=SLOW_RUN).json()
-    pid = _driver_of_running_run(client, run["id"])
-    os.kill(pid, signal.SIGSTOP)  # alive, and silent: no samples, no heartbeat
-    started = time.monotonic()
-    done = wait_finished(client, run["id"], timeout=30)
-    assert done["status"] == "failed"
-    assert "load driver 0 sent nothing for 2 s (hung)" in done["error"]
-    assert time.monotonic() - started < 10
-    assert not pid_alive(pid)
-    assert client.get(f"/api/runs/{run['id']}/requests").json()
-
-
-def test_cancel_stops_the_driver_and_keeps_its_samples(stub_service: Any) -> None:
-    client = stub_service({"STUB_TOKEN_INTERVAL_S": "0.02"})
-    # 40 requests (about 16 s): a cancel that is slow to arrive on a loaded machine still
-    # lands mid-run.
-    run = client.post("/api/runs", json={**SLOW_RUN, "num_prompts": 40}).json()
-    pid = _driver_of_running_run(client, run["id"])
-    assert client.post(f"/api/runs/{run['id']}/cancel").json()["status"] == "cancelled"
-    deadline = time.monotonic() + 10
-    while pid_alive(pid):
-        assert time.monotonic() < deadline, "the driver outlived its cancelled run"
-        time.sleep(0.05)
-    final = wait_for(client, run["id"], lambda r: r["status"] == "cancelled")
-
-    def kept() -> int:
-        return len(client.get(f"/api/runs/{run['id']}/requests").json())
-
-    # What the driver measured before it stopped is stored, and counted.
-    final = wait_for(client, run["id"], lambda r: sum(r["progress"][k] for k in ("completed", "failed"))
-                     == kept(), timeout=10)
-    assert 2 <= kept() < 40
-    assert final["error"] == "cancelled by the user"
-
-
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
-def test_no_driver_outlives_the_service(tmp_path: Path, how: str) -> None:
-    # With the warm driver host on (the default): neither it nor a driver outlives the service.
-    service = ServiceProcess(tmp_path / "var", {"STUB_TOKEN_INTERVAL_S": "0.05",
-                                                "DECODEBENCH_WARM_DRIVERS": "1"})
-    service.start()
-    try:
-        with service.client() as c:
-            run_id = c.post("/api/runs", json={**SLOW_RUN, "output_len": 200}).json()["id"]
-            wait_for(c, run_id, lambda r: r["status"] == "running" and r["progress"]["completed"] >= 1)
-        assert service.proc is not None
-        pids = driver_pids(service.proc.pid)
-        assert len(driver_pids(service.proc.pid, run_id)) == 1
-        hosts = host_pids(service.proc.pid)
-        assert len(hosts) == 1  # the warm host the drivers are forked from
-        if how == "sigterm":
-            service.stop()
-        else:
-            # A crash: the host sees its socket close (or its parent die) and ends, and
-            # its drivers with it; a driver also sees its stdin close.
-            service.kill()
-        deadline = time.monotonic() + 10
-        while any(pid_alive(pid) for pid in [*pids, *hosts]):
-            assert time.monotonic() < deadline, "a load driver or its host outlived the service"
-            time.sleep(0.05)
-    finally:
-        service.stop()
-        service._kill_workers()
