@@ -127,6 +127,11 @@ class DriverBackend(Protocol):
         """Get ready for runs (inside the event loop)."""
         ...
 
+    def prepare(self) -> None:
+        """A run is on its way (its server is starting): start what its drivers need, if
+        that is not running yet (inside the event loop)."""
+        ...
+
     async def close(self) -> None:
         """Stop everything kept ready."""
         ...
@@ -194,7 +199,7 @@ class Fleet(RegisteredServers):
         return orphans
 
     def start(self) -> None:
-        """Start the spare driver processes and the backends' watchers (inside the event loop)."""
+        """Start the backends' watchers (inside the event loop); drivers start with the first run."""
         self.servers.open()
         self.driver_pool.start()
 
@@ -384,6 +389,10 @@ class Fleet(RegisteredServers):
                 self._stopping.pop(handle.id, None)
 
     # ------------------------------------------------------------ a run's drivers
+
+    def prepare_drivers(self) -> None:
+        """A run is on its way: what its drivers need starts now, beside its server's start."""
+        self.driver_pool.prepare()
 
     def drivers_for(self, run_id: str, spec: RunSpec, handle: WorkerHandle,
                     phase: str | None = None) -> LoadDrivers:

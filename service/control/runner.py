@@ -273,6 +273,7 @@ class Runner:
                                 error="cancelled by the user")
 
     async def _run(self) -> None:
+        self.fleet.prepare_drivers()
         handle = self.handle = await self._server()
         spec = self.spec
         batch = asked_concurrency(spec.max_concurrency, spec.prompt_budget(), spec.request_rate)

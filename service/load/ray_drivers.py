@@ -295,6 +295,9 @@ class RayDriverBackend:
         if not ray.is_initialized():
             ray.init(address=self.settings.ray_address, namespace=self.settings.ray_namespace)
 
+    def prepare(self) -> None:
+        """Nothing: a node's driver host starts when the first drivers are placed on that node."""
+
     def drivers_for(self, run_id: str, spec: RunSpec, base_url: str, served_model: str,
                     vocab_size: int | None, request_timeout_s: float, hang_s: float, *,
                     node_id: str | None = None, phase: str | None = None) -> RayDrivers:
