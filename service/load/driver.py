@@ -47,7 +47,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TextIO
 
 from pydantic import BaseModel
@@ -165,7 +164,7 @@ async def _drive(config: DriverConfig, emit: Callable[[dict[str, Any]], None],
         stopper = asyncio.create_task(stop_when_told())
         try:
             duration = await generator.measure(
-                plan, lambda s: emit({"kind": "sample", "sample": asdict(s)}),
+                plan, lambda s: emit({"kind": "sample", "sample": s.as_dict()}),
                 [p for p in mine if p >= plan.warmups], start=t0,
             )
         finally:

@@ -8,21 +8,19 @@ readers take them in slices (``sample_slices``, ``sample_columns``) or a page at
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, fields
 from typing import Any, Protocol
 
 from sqlalchemy import Engine, func
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col, select
 
-from service.core.sample import Sample
+from service.core.sample import FIELD_NAMES, Sample
 from service.storage.tables import SampleRow, ServerMetricPoint
 
 # Rows per INSERT: SQLite caps the variables of one statement.
 SAVE_SLICE = 500
 # Rows per read of samples: what one slice holds in memory.
 READ_SLICE = 500
-SAMPLE_FIELDS = tuple(f.name for f in fields(Sample))
 
 
 def save_samples(engine: Engine, run_id: str, samples: Sequence[Sample]) -> None:
@@ -30,7 +28,7 @@ def save_samples(engine: Engine, run_id: str, samples: Sequence[Sample]) -> None
     (run, index) is left as it is."""
     if not samples:
         return
-    rows = [{"run_id": run_id, **asdict(s)} for s in samples]
+    rows = [{"run_id": run_id, **s.as_dict()} for s in samples]
     with Session(engine) as session:
         for i in range(0, len(rows), SAVE_SLICE):
             session.exec(sqlite_insert(SampleRow).values(rows[i:i + SAVE_SLICE]).on_conflict_do_nothing())
@@ -48,7 +46,7 @@ def sample_columns(engine: Engine, run_id: str, names: Sequence[str],
                    rows: int = READ_SLICE) -> Iterator[list[tuple[Any, ...]]]:
     """The columns ``names`` (fields of ``Sample``) of a run's samples, by request index, a
     slice of ``rows`` at a time; each slice read in its own short transaction."""
-    unknown = set(names) - set(SAMPLE_FIELDS)
+    unknown = set(names) - set(FIELD_NAMES)
     if unknown:
         raise ValueError(f"not fields of a sample: {sorted(unknown)}")
     columns = [getattr(SampleRow, n) for n in ("index", *names)]
@@ -72,7 +70,7 @@ def sample_slices(engine: Engine, run_id: str, *, text: bool = False,
                   rows: int = READ_SLICE) -> Iterator[list[Sample]]:
     """A run's samples by request index, a slice of ``rows`` at a time; without ``text``
     their ``generated_text`` is left empty (it is not read)."""
-    names = [n for n in SAMPLE_FIELDS if text or n != "generated_text"]
+    names = [n for n in FIELD_NAMES if text or n != "generated_text"]
     for found in sample_columns(engine, run_id, names, rows):
         yield [Sample(**dict(zip(names, row, strict=True))) for row in found]
 
@@ -82,11 +80,11 @@ def sample_page(engine: Engine, run_id: str, limit: int, offset: int) -> list[Sa
     their texts."""
     with Session(engine) as session:
         found = session.exec(
-            select(*[getattr(SampleRow, n) for n in SAMPLE_FIELDS])
+            select(*[getattr(SampleRow, n) for n in FIELD_NAMES])
             .where(SampleRow.run_id == run_id)
             .order_by(col(SampleRow.index)).offset(offset).limit(limit)
         ).all()
-    return [Sample(**dict(zip(SAMPLE_FIELDS, row, strict=True))) for row in found]
+    return [Sample(**dict(zip(FIELD_NAMES, row, strict=True))) for row in found]
 
 
 def get_samples(engine: Engine, run_id: str) -> list[Sample]:

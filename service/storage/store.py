@@ -12,7 +12,6 @@ import hashlib
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -150,7 +149,7 @@ def create_imported(engine: Engine, spec: dict[str, Any], summary: dict[str, Any
     with write_session(engine) as session:
         session.add(run)
         session.flush()
-        rows = [{"run_id": run.id, **asdict(s)} for s in samples]
+        rows = [{"run_id": run.id, **s.as_dict()} for s in samples]
         for i in range(0, len(rows), SAVE_SLICE):
             session.exec(sqlite_insert(SampleRow).values(rows[i:i + SAVE_SLICE]))
     return run
