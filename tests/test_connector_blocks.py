@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm.v1.request import RequestStatus
 
-from tests import vllm_harness as h
+from tests.lazy import Lazy
 from tests.test_connector_params import Control
+
+# Imported at the first test that runs here (``tests.lazy``): collection needs neither.
+vllm_request = Lazy("vllm.v1.request")
+h = Lazy("tests.vllm_harness")
 
 BS = 16
 
@@ -245,7 +248,7 @@ def test_no_state_left_after_thousands_of_finished_and_aborted_requests(tmp_path
             h.step(sched)
             # Abort some of what is in flight: scheduled (filled) ones and still waiting ones.
             live = sorted(sched.requests)[::9]
-            sched.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            sched.finish_requests(live, vllm_request.RequestStatus.FINISHED_ABORTED)
             aborted += len(live)
     h.run_until_idle(sched)
     assert aborted > 300

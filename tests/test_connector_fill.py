@@ -7,16 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
-    DecodeBenchConnectorMetadata,
-    DecodeBenchConnectorWorker,
-)
-from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec, KVQuantMode
 
-from connector.metadata import FillConnectorMetadata
-from connector.worker import POOL_ELEMS, FillConnectorWorker, fill_block_rows
-from tests import vllm_harness as h
+from tests.lazy import Lazy
+
+# Imported at the first test that runs here (``tests.lazy``): collection needs none of them.
+torch = Lazy("torch")
+upstream_connector = Lazy("vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector")
+kv_cache = Lazy("vllm.v1.kv_cache_interface")
+connector_metadata = Lazy("connector.metadata")
+connector_worker = Lazy("connector.worker")
+h = Lazy("tests.vllm_harness")
 
 SHAPE = (64, 2, 16, 64)  # blocks, KV heads, tokens per block, K and V of head dim 32
 
@@ -24,8 +24,10 @@ SHAPE = (64, 2, 16, 64)  # blocks, KV heads, tokens per block, K and V of head d
 def _workers(tmp_path: Path, kv: Any, cache_dtype: str = "auto",
              mean: float = 0.015, std: float = 0.0) -> tuple[Any, Any]:
     extra = {"fill_mean": mean, "fill_std": std}
-    ours = FillConnectorWorker(h.vllm_config(tmp_path, h.OURS, extra, cache_dtype=cache_dtype), kv)
-    upstream = DecodeBenchConnectorWorker(
+    ours = connector_worker.FillConnectorWorker(
+        h.vllm_config(tmp_path, h.OURS, extra, cache_dtype=cache_dtype), kv
+    )
+    upstream = upstream_connector.DecodeBenchConnectorWorker(
         h.vllm_config(tmp_path, h.UPSTREAM, extra, cache_dtype=cache_dtype), kv
     )
     return ours, upstream
@@ -34,20 +36,21 @@ def _workers(tmp_path: Path, kv: Any, cache_dtype: str = "auto",
 def _fill(worker: Any, caches: dict[str, Any], blocks: tuple[list[int], ...],
           values: tuple[float, float] | None = None) -> None:
     worker.register_kv_caches(caches)
-    if isinstance(worker, FillConnectorWorker):
-        meta = FillConnectorMetadata(reqs_to_fill={"r": (blocks, 100)},
-                                     fill_values={"r": values} if values else {})
+    if isinstance(worker, connector_worker.FillConnectorWorker):
+        meta = connector_metadata.FillConnectorMetadata(reqs_to_fill={"r": (blocks, 100)},
+                                                        fill_values={"r": values} if values else {})
     else:
-        meta = DecodeBenchConnectorMetadata(reqs_to_fill={"r": (blocks, 100)})
+        meta = upstream_connector.DecodeBenchConnectorMetadata(reqs_to_fill={"r": (blocks, 100)})
     worker.start_fill_kv(meta)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("ids", [[3, 4, 5, 6], [9, 2, 40, 41, 42, 7], list(range(0, 64, 3)),
                                  [5, 63, 64, 200]])
 def test_constant_fill_writes_exactly_what_upstream_writes(
-    tmp_path: Path, dtype: torch.dtype, ids: list[int]
+    tmp_path: Path, dtype_name: str, ids: list[int]
 ) -> None:
+    dtype = getattr(torch, dtype_name)
     kv = h.kv_config([(["l0", "l1"], h.attention(16, dtype))])
     ours, upstream = _workers(tmp_path, kv)
     base = {name: torch.randn(SHAPE).to(dtype) for name in ("l0", "l1")}
@@ -83,8 +86,8 @@ def test_constant_is_clamped_to_the_dtypes_finite_range(tmp_path: Path) -> None:
 
 
 def test_fp8_cache_stored_as_uint8_is_written_as_fp8_values(tmp_path: Path) -> None:
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.uint8,
-                             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    spec = kv_cache.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.uint8,
+                                      kv_quant_mode=kv_cache.KVQuantMode.FP8_PER_TENSOR)
     kv = h.kv_config([(["l0"], spec)])
     ours, upstream = _workers(tmp_path, kv, cache_dtype="fp8", mean=0.3)
     assert ours._fp8_dtypes, "the worker did not see the fp8 layout"
@@ -111,7 +114,7 @@ def test_state_tensors_given_as_a_list_are_filled_whole(tmp_path: Path) -> None:
 
 
 def test_circular_buffer_groups_are_zeroed_not_filled(tmp_path: Path) -> None:
-    ring = CircularBufferSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    ring = kv_cache.CircularBufferSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv = h.kv_config([(["attn"], h.attention()), (["ring"], ring)])
     ours, upstream = _workers(tmp_path, kv, mean=0.5)
     mine = {"attn": torch.ones(SHAPE), "ring": torch.ones(SHAPE)}
@@ -131,27 +134,28 @@ def test_strided_layout_gets_the_same_values(tmp_path: Path) -> None:
     assert not view.is_contiguous()
     expected = view.clone()
     expected[[3, 4, 9]] = 0.015
-    fill_block_rows(view, [3, 4, 9], 0.015, 0.0, torch.float32)
+    connector_worker.fill_block_rows(view, [3, 4, 9], 0.015, 0.0, torch.float32)
     assert torch.equal(view, expected)
-    fill_block_rows(view, [20, 21, 22], 0.1, 0.3, torch.float32)
+    connector_worker.fill_block_rows(view, [20, 21, 22], 0.1, 0.3, torch.float32)
     region = view[20:23]
     assert abs(region.mean().item() - 0.1) < 0.02 and abs(region.std().item() - 0.3) < 0.02
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_random_fill_has_the_asked_mean_and_std(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_random_fill_has_the_asked_mean_and_std(dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
     cache = torch.zeros(600, 2, 16, 64, dtype=dtype)  # 1.2M elements per fill: past one pool
     blocks = list(range(10, 590))
-    fill_block_rows(cache, blocks, 0.015, 0.2, dtype)
+    connector_worker.fill_block_rows(cache, blocks, 0.015, 0.2, dtype)
     values = cache[10:590].float()
-    assert values.numel() > POOL_ELEMS
+    assert values.numel() > connector_worker.POOL_ELEMS
     assert values.mean().item() == pytest.approx(0.015, abs=0.002)
     assert values.std().item() == pytest.approx(0.2, rel=0.01)
     assert torch.all(cache[:10] == 0) and torch.all(cache[590:] == 0)
     # Not a constant, and a second fill starts elsewhere in the pool.
     first = cache[10].clone()
     assert first.unique().numel() > 200  # bfloat16 has only about 1,000 values in this range
-    fill_block_rows(cache, blocks, 0.015, 0.2, dtype)
+    connector_worker.fill_block_rows(cache, blocks, 0.015, 0.2, dtype)
     assert not torch.equal(first, cache[10])
 
 

@@ -8,11 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoConfig
 
-from connector import roofline
-from connector.worker import FillConnectorWorker, attention_block_sizes
 from service.core.protocol import WorkerProvenance
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
@@ -20,8 +16,15 @@ from service.core.tinymodel import ensure_tiny_model
 from service.storage import store, workers
 from service.storage.db import make_engine
 from service.storage.tables import Worker
-from tests import vllm_harness as h
+from tests.lazy import Lazy
 from tests.test_provenance import SMALL, TOKEN, ProvenanceSink
+
+# Imported at the first test that runs here (``tests.lazy``): collection needs none of them.
+torch = Lazy("torch")
+transformers = Lazy("transformers")
+roofline = Lazy("connector.roofline")
+connector_worker = Lazy("connector.worker")
+h = Lazy("tests.vllm_harness")
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -43,7 +46,7 @@ LLAMA_31_8B = {
 
 def _config(tmp_path: Path, content: dict[str, Any]) -> Any:
     (tmp_path / "config.json").write_text(json.dumps(content))
-    return AutoConfig.from_pretrained(tmp_path)
+    return transformers.AutoConfig.from_pretrained(tmp_path)
 
 
 def test_llama_31_8b_streams_all_but_its_embedding_table(tmp_path: Path) -> None:
@@ -63,7 +66,7 @@ def _tiny_by_hand() -> int:
 
 
 def test_the_tiny_model_streams_what_its_config_adds_up_to(tmp_path: Path) -> None:
-    config = AutoConfig.from_pretrained(ensure_tiny_model(tmp_path))
+    config = transformers.AutoConfig.from_pretrained(ensure_tiny_model(tmp_path))
     assert _tiny_by_hand() == 1_344_128
     assert roofline.streamed_params(config) == 1_344_128
 
@@ -80,8 +83,8 @@ LLAMA_KV = 32 * 2 * 8 * 128 * 2
 BLOCKS, BLOCK = 6, 16
 
 
-def _layers(shape: tuple[int, ...], n: int = 32, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    return {f"layer{i}": torch.empty(shape, dtype=dtype, device="meta") for i in range(n)}
+def _layers(shape: tuple[int, ...], n: int = 32) -> dict[str, Any]:
+    return {f"layer{i}": torch.empty(shape, dtype=torch.bfloat16, device="meta") for i in range(n)}
 
 
 @pytest.mark.parametrize("shape", [
@@ -127,8 +130,9 @@ def test_the_worker_side_reports_the_tiny_models_roofline(tmp_path: Path) -> Non
     sink = ProvenanceSink()
     try:
         kv = h.kv_config([(["layer0", "layer1"], h.attention(BLOCK))], num_blocks=BLOCKS)
-        worker = FillConnectorWorker(h.vllm_config(tmp_path, h.OURS, {"control_url": sink.url}), kv)
-        assert attention_block_sizes(kv) == {"layer0": BLOCK, "layer1": BLOCK}
+        config = h.vllm_config(tmp_path, h.OURS, {"control_url": sink.url})
+        worker = connector_worker.FillConnectorWorker(config, kv)
+        assert connector_worker.attention_block_sizes(kv) == {"layer0": BLOCK, "layer1": BLOCK}
         # The CPU backend's layout: (K and V, blocks, KV heads, tokens, head dim).
         worker.register_kv_caches({n: torch.zeros((2, BLOCKS, 2, BLOCK, 32)) for n in ("layer0", "layer1")})
         worker.shutdown()
