@@ -227,14 +227,15 @@ def stub_server() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "stub did not start"
-            time.sleep(0.1)
+        with httpx.Client(timeout=1) as http:  # one client: each new one loads the CA file
+            while True:
+                try:
+                    if http.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "stub did not start"
+                time.sleep(0.1)
         yield url
     finally:
         proc.terminate()

@@ -78,8 +78,13 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+# Starlette, not FastAPI: the stub starts hundreds of times in the suite, and FastAPI's
+# import (its OpenAPI models) is a third of a stub's start.
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 # Run as a script (``python tests/stub_vllm.py``): the checkout it belongs to comes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -190,16 +195,15 @@ class Connector:
 
 def build_app(served_name: str, interval: float, startup_delay: float,
               kv_transfer_config: str | None = None, engine: dict[str, Any] | None = None,
-              max_model_len_flag: int | None = None, max_num_seqs: int | None = None) -> FastAPI:
+              max_model_len_flag: int | None = None, max_num_seqs: int | None = None) -> Starlette:
     """The stub's app; ``max_model_len_flag``: its ``--max-model-len`` as given."""
     connector = Connector(kv_transfer_config, engine)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await connector.send_provenance()
         yield
 
-    app = FastAPI(lifespan=lifespan)
     max_running = int(os.environ.get("STUB_MAX_RUNNING", "0"))
     if max_num_seqs:
         max_running = min(max_running, max_num_seqs) if max_running else max_num_seqs
@@ -225,21 +229,18 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     if os.environ.get("STUB_GRANDCHILD"):
         state["grandchild"] = subprocess.Popen(["sleep", "3600"]).pid
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(_: Request) -> JSONResponse:
         if state["hung"] and not hang_healthy:
             await asyncio.sleep(3600)
         if time.monotonic() - started < startup_delay:
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({})
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served_name, "object": "model",
-                                            "max_model_len": engine["max_model_len"]}]}
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": served_name, "object": "model",
+                                                         "max_model_len": engine["max_model_len"]}]})
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(_: Request) -> PlainTextResponse:
         blocks = kv_blocks()
         labels = f'model_name="{served_name}",engine="0"'
         return PlainTextResponse(
@@ -257,20 +258,17 @@ def build_app(served_name: str, interval: float, startup_delay: float,
             f"vllm:request_queue_time_seconds_count{{{labels}}} {state['queue_time_count']}\n"
         )
 
-    @app.post("/stub/connector")
-    async def connect(request: Request) -> dict[str, Any]:
+    async def connect(request: Request) -> JSONResponse:
         # A registered server learns its connector config after it started (a real one
         # would be restarted with it): the test hands it over here.
         connector.configure(await request.json())
         await connector.send_provenance()
-        return {"control_url": connector.url}
+        return JSONResponse({"control_url": connector.url})
 
-    @app.get("/stub/requests")
-    async def seen() -> dict[str, Any]:
-        return state
+    async def seen(_: Request) -> JSONResponse:
+        return JSONResponse(state)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    async def completions(request: Request) -> Response:
         body = await request.json()
         state["requests"] += 1
         prompt = body.get("prompt")
@@ -344,7 +342,11 @@ def build_app(served_name: str, interval: float, startup_delay: float,
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    return app
+    return Starlette(lifespan=lifespan, routes=[
+        Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+        Route("/stub/connector", connect, methods=["POST"]), Route("/stub/requests", seen),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ])
 
 
 def kv_blocks() -> int:

@@ -53,13 +53,14 @@ class RemoteStub:
         self.proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
-        while True:
-            assert self.proc.poll() is None, "stub server exited"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            assert time.monotonic() < deadline, "stub server did not come up"
-            time.sleep(0.05)
+        with httpx.Client(timeout=1) as http:
+            while True:
+                assert self.proc.poll() is None, "stub server exited"
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return
+                assert time.monotonic() < deadline, "stub server did not come up"
+                time.sleep(0.05)
 
     def requests_seen(self) -> int:
         return int(httpx.get(f"{self.url}/stub/requests", timeout=5).json()["requests"])

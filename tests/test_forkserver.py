@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.forkserver_client import DriverHost, HostedDriver
 from service.load.shards import DriverPool, DriverProcess, Drivers, _stop_processes
-from tests.service_process import pid_alive
+from tests.conftest import make_client, wait_finished
+from tests.service_process import driver_pids, host_pids, pid_alive
 
 
 def _parent(pid: int) -> int:
@@ -110,3 +112,18 @@ def test_without_its_host_drivers_start_on_their_own_and_a_new_host_starts(
         asyncio.run(go())
     assert any("driver host is gone" in r.getMessage() and "a new host starts" in r.getMessage()
                for r in caplog.records), caplog.text
+
+
+def test_a_service_starts_its_driver_host_with_its_first_run(tmp_path: Path) -> None:
+    # A service that only shows results runs no driver process; the first run starts the
+    # host (beside its server's start), and after the run a spare forked from it waits.
+    with make_client(tmp_path, warm_drivers=True) as client:
+        time.sleep(1)  # the old service had its host up well within this
+        assert host_pids() == [] and driver_pids() == []
+        run = client.post("/api/runs", json={"input_len": 16, "output_len": 4, "num_prompts": 2}).json()
+        assert wait_finished(client, run["id"])["status"] == "succeeded"
+        assert len(host_pids()) == 1
+        deadline = time.monotonic() + 10
+        while not driver_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert driver_pids(), "no spare driver after the run"

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import re
+import time
 from datetime import UTC, datetime, timedelta
 from html import unescape as html_unescape
 from pathlib import Path
@@ -386,6 +387,7 @@ def test_capacity_page_draws_the_sla_curve_and_the_frontier_and_exports_its_prob
     deadline = datetime.now(UTC) + timedelta(seconds=240)
     while client.get(f"/api/capacity/{search_id}").json()["status"] not in ("succeeded", "failed"):
         assert datetime.now(UTC) < deadline, "the search did not end"
+        time.sleep(0.2)
     search = client.get(f"/api/capacity/{search_id}").json()
     (context,) = search["contexts"]
     assert (context["max_concurrency"], context["first_failing"]) == (2, 3)
