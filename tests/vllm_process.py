@@ -1,5 +1,12 @@
 """Real processes for end-to-end tests: the service (``python -m service``) with no stub
-vLLM command, and plain vLLM CPU servers started by the test itself as references."""
+vLLM command, and plain vLLM CPU servers started by the test itself as references.
+
+Each is a process group of its own (stopped as one) in the suite's session, as the service
+keeps its servers in its own session (``service.control.procs``). Linux schedules each
+session as one group with an equal share of the CPU: a vLLM server in a session of its own
+took a whole share beside the one that every other test, its service and its stub servers
+shared on the pytest-xdist workers, and a stub server there waited a minute to start.
+"""
 
 from __future__ import annotations
 
@@ -39,8 +46,9 @@ def real_service(data_dir: Path, **env_extra: str) -> Iterator[httpx.Client]:
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir.parent / "service.log"
     with log_path.open("wb") as log:
+        # A process group of its own, in the suite's session (see the module's docstring).
         proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, process_group=0)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=30)
     try:
         deadline = time.monotonic() + 60
@@ -70,8 +78,8 @@ _RPC_DIRS: dict[int, Path] = {}
 
 def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, dtype: str = "float32",
                kv_bytes: int = 1 << 30, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """A plain vLLM server on ``model_dir`` with dummy weights, in a session of its own
-    (on ``port``, or a free one)."""
+    """A plain vLLM server on ``model_dir`` with dummy weights, in a process group of its
+    own in the suite's session, on ``port`` or a free one."""
     port = port or free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
@@ -84,8 +92,7 @@ def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, d
     rpc = Path(tempfile.mkdtemp(prefix="decodebench-test-rpc-"))
     env = {**os.environ, "PYTHONPATH": path, "VLLM_RPC_BASE_PATH": str(rpc)}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=env)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, process_group=0, env=env)
     _RPC_DIRS[proc.pid] = rpc
     return proc, f"http://127.0.0.1:{port}"
 
@@ -93,19 +100,20 @@ def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, d
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
     """Wait until a server answers /health; fail with its log's end if it exits or hangs."""
     deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "vLLM server did not come up"
-        time.sleep(0.5)
+    with httpx.Client(timeout=2) as http:
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if http.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vLLM server did not come up"
+            time.sleep(0.5)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a server's whole session: SIGTERM, then SIGKILL."""
+    """Stop a server's whole process group: SIGTERM, then SIGKILL."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
