@@ -20,7 +20,7 @@ from service.analysis.comparison import BY_KEY, Arm, change
 from service.analysis.fill_verdict import by_the_rule
 from service.analysis.intervals import CONFIDENCE
 from service.analysis.pairs import PAIRED, pair_looks, pairs_needed, ratio_by_pairs
-from service.control import until_decided
+from service.control import queue, until_decided
 from service.control.until_decided import follow_up
 from service.core.status import RunStatus
 from service.core.sweep import SweepCreate, TrialsCreate
@@ -76,6 +76,25 @@ def test_a_sweep_over_mode_runs_each_pair_back_to_back(client: TestClient) -> No
         row = next(m for m in compared["metrics"] if m["metric"] == KEYS[0])
         assert row["changes"][0]["method"] == PAIRED and row["changes"][0]["across_runs"] is True
         assert row["changes"][0]["ci"] == pytest.approx(verdict["ratios"][0]["ci"])
+
+
+def test_a_pairs_second_run_follows_its_first_however_slow_the_first_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What follows a sweep's run once its server is idle again (its sweep's look) takes a
+    # second here, as a busy machine can make it: the next pair's run must not take the
+    # server meanwhile, ahead of this pair's second.
+    def slow_follow_up(engine: Any, run_id: str) -> int:
+        time.sleep(1)
+        return follow_up(engine, run_id)
+
+    monkeypatch.setattr(queue, "follow_up", slow_follow_up)
+    body = {"base": {**BASE, "seed": 7}, "grid": {"mode": ["fill", "prefill"], "input_len": [8, 16]}}
+    with make_client(tmp_path) as client:
+        runs = client.post("/api/sweeps", json=body).json()["runs"]
+        done = [wait_finished(client, r["id"]) for r in runs]
+    assert all(r["status"] == "succeeded" for r in done)
+    started = sorted(done, key=lambda r: r["started_at"])
+    assert [r["id"] for r in started] == [r["id"] for r in runs]
 
 
 def test_the_order_in_a_pair_is_drawn_and_recorded(tmp_path: Path) -> None:

@@ -332,6 +332,10 @@ class Scheduler:
                 self._pair_servers[runner.pair_id] = used[-1].id
                 while len(self._pair_servers) > PAIRS_REMEMBERED:
                     self._pair_servers.popitem(last=False)
+            # Its server is idle from here, and its pair no longer busy: no await between
+            # the two, or a pass in between gives the server to the next pair's run, ahead
+            # of this pair's second (the waits below take seconds on a busy machine).
+            self._runners.pop(run_id, None)
             if not runner.end_written:
                 await asyncio.to_thread(ensure_ended, self.engine, run_id)
             if runner.in_sweep:  # only a sweep's run may have pairs to queue after it
