@@ -175,11 +175,13 @@ def test_a_run_cancelled_on_a_hung_server_leaves_that_server_out(
 
 
 def test_a_long_silent_prefill_is_not_a_hang(stub_service: Any) -> None:
-    # Every stream is silent 1.5 s before its first token, three times the stall floor:
-    # a real prefill of 4,000 tokens is allowed 4 s before the first token (room for a
-    # busy machine), and three times the longest time to first token after it.
-    client = stub_service({"STUB_FIRST_TOKEN_S": "1.5"}, stall_s=0.5)
-    spec = {**SMALL, "input_len": 4000, "num_prompts": 4, "max_concurrency": 1, "mode": "prefill"}
+    # Every stream is silent 3 s before its first token, six times the stall floor: a real
+    # prefill of 8,000 tokens is allowed 8 s before the first token (room for a busy
+    # machine), and three times the longest time to first token after it. A fill run's
+    # silence is seen once a driver beat (one a second) comes 0.5 s into it: 2.5 s hold two
+    # beats, so one a busy machine delays does not hide it.
+    client = stub_service({"STUB_FIRST_TOKEN_S": "3"}, stall_s=0.5)
+    spec = {**SMALL, "input_len": 8000, "num_prompts": 4, "max_concurrency": 1, "mode": "prefill"}
     done = wait_finished(client, client.post("/api/runs", json=spec).json()["id"], timeout=60)
     assert done["status"] == "succeeded", done["error"]
     # The same silence in a fill run, which has no prefill to wait for, is a hang.
