@@ -5,7 +5,8 @@ Each is a process group of its own (stopped as one) in the suite's session, as t
 keeps its servers in its own session (``service.control.procs``). Linux schedules each
 session as one group with an equal share of the CPU: a vLLM server in a session of its own
 took a whole share beside the one that every other test, its service and its stub servers
-shared on the pytest-xdist workers, and a stub server there waited a minute to start.
+shared on the pytest-xdist workers (where a fresh-clone run on 4 workers once saw a stub
+server not answer /health for a minute).
 """
 
 from __future__ import annotations
