@@ -58,7 +58,7 @@ lint: setup-dev
 # Workers (pytest-xdist): the real vLLM tests run one after another on one worker, the Ray
 # tests on another, every other file whole on the next free one (tests/conftest.py). On a
 # 2-core machine 4 workers (TEST_WORKERS=4) take about 13 minutes where one process takes
-# 31, but their load failed a timing-bound test in three of seven fresh-clone runs: one
+# 31, but their load failed a timing-bound test in three of eight fresh-clone runs: one
 # process (0) is the default and what CI runs.
 TEST_WORKERS ?= 0
 QUICK_WORKERS ?= 4
