@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import API_TOKEN, AUTH
+from tests.conftest import API_TOKEN, AUTH, wait_answering
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,17 +100,8 @@ def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, d
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
     """Wait until a server answers /health; fail with its log's end if it exits or hangs."""
-    deadline = time.monotonic() + 300
-    with httpx.Client(timeout=2) as http:
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if http.get(f"{url}/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vLLM server did not come up"
-            time.sleep(0.5)
+    wait_answering(f"{url}/health", timeout=300, every=0.5, what="the vLLM server",
+                   ended=lambda: None if proc.poll() is None else log_path.read_text()[-3000:])
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
