@@ -71,9 +71,11 @@ def _read_answer(sock: socket.socket) -> tuple[int, dict[str, Any]]:
     return status, json.loads(body)
 
 
-def _send_chunked(service: ServiceProcess, total: int) -> tuple[int, dict[str, Any], int]:
-    """POST ``total`` bytes as a chunked body without a length; stop sending as soon as the
-    service answers or closes. Returns the status, the answer and the bytes sent."""
+def _send_chunked(service: ServiceProcess, total: int,
+                  finish: bool = True) -> tuple[int, dict[str, Any], int]:
+    """POST ``total`` bytes as a chunked body without a length (and, with ``finish``, the
+    last chunk); stop sending as soon as the service answers or closes. Returns the status,
+    the answer and the bytes sent."""
     sock = socket.create_connection(("127.0.0.1", service.port))
     try:
         sock.sendall(_head("/api/runs", {"Transfer-Encoding": "chunked"}))
@@ -83,9 +85,12 @@ def _send_chunked(service: ServiceProcess, total: int) -> tuple[int, dict[str, A
             while sent < total:
                 sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
                 sent += len(piece)
-            sock.sendall(b"0\r\n\r\n")
+            if finish:
+                sock.sendall(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
-            pass  # the service answered and closed: what a limit should do
+            # The service answered and closed with the client's bytes unread, so its kernel
+            # reset the connection: what a limit should do. The answer is still readable.
+            pass
         status, answer = _read_answer(sock)
         return status, answer, sent
     finally:
@@ -94,17 +99,9 @@ def _send_chunked(service: ServiceProcess, total: int) -> tuple[int, dict[str, A
 
 def test_a_chunked_body_over_the_limit_is_refused_before_the_client_is_done(
         service: ServiceProcess) -> None:
-    # 2 MiB more than the limit, in 64 KiB chunks, with no Content-Length.
-    sock = socket.create_connection(("127.0.0.1", service.port))
-    try:
-        sock.sendall(_head("/api/runs", {"Transfer-Encoding": "chunked"}))
-        piece = b" " * CHUNK
-        for _ in range(MAX_BODY_BYTES // CHUNK + 2):
-            sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
-        # The body is not finished (no last chunk): the answer comes anyway.
-        status, answer = _read_answer(sock)
-    finally:
-        sock.close()
+    # Two 64 KiB chunks more than the limit, with no Content-Length and no last chunk:
+    # the body is never finished, and the answer comes anyway.
+    status, answer, _ = _send_chunked(service, MAX_BODY_BYTES + 2 * CHUNK, finish=False)
     assert status == 413
     assert f"over the limit of {MAX_BODY_BYTES} bytes" in answer["detail"]
 
