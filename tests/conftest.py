@@ -234,10 +234,11 @@ def stub_server() -> Iterator[str]:
 
 
 def wait_answering(url: str, timeout: float, every: float, what: str,
-                   ended: Callable[[], str | None] = lambda: None) -> None:
-    """Poll ``url`` until it answers 200; fail the test at ``timeout``, or as soon as
-    ``ended()`` says why the process behind it is gone. One client for all the polls: a new
-    one builds a TLS context from the CA file (16 ms of CPU)."""
+                   ended: Callable[[], str | None] = lambda: None,
+                   detail: Callable[[], str] = lambda: "") -> None:
+    """Poll ``url`` until it answers 200; fail the test at ``timeout`` (saying ``detail()``,
+    a log's tail), or as soon as ``ended()`` says why the process behind it is gone. One
+    client for all the polls: a new one builds a TLS context from the CA file (16 ms of CPU)."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=min(every * 10, 2)) as http:
         while True:
@@ -248,7 +249,7 @@ def wait_answering(url: str, timeout: float, every: float, what: str,
                     return
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, f"{what} did not answer {url} in {timeout:.0f} s"
+            assert time.monotonic() < deadline, f"{what} did not answer {url} in {timeout:.0f} s{detail()}"
             time.sleep(every)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from service.control.local import remove_rpc_dir
-from tests.conftest import API_TOKEN, AUTH, STUB_COMMAND
+from tests.conftest import API_TOKEN, AUTH, STUB_COMMAND, wait_answering
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,20 +125,12 @@ class ServiceProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT)
+        proc = self.proc
         try:
-            # One client for the polls: a new one builds a TLS context (its CA file read and
-            # parsed, 16 ms of CPU), at 20 polls a second while the service starts.
-            with httpx.Client(timeout=2) as http:
-                while True:
-                    assert self.proc.poll() is None, self.log()[-3000:]
-                    try:
-                        if http.get(f"{self.url}/healthz").status_code == 200:
-                            return time.monotonic() - started
-                    except httpx.HTTPError:
-                        pass
-                    assert time.monotonic() - started < timeout, \
-                        f"service did not come up in {timeout:.0f} s: {self.log()[-3000:]}"
-                    time.sleep(0.05)
+            wait_answering(f"{self.url}/healthz", timeout, 0.05, "the service",
+                           ended=lambda: None if proc.poll() is None else self.log()[-3000:],
+                           detail=lambda: f": {self.log()[-3000:]}")
+            return time.monotonic() - started
         except BaseException:
             self.stop()
             raise

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from service.control.queue import PLACE_AHEAD
 from service.storage.db import make_engine
-from tests.conftest import TESTS, make_client, wait_finished, wait_for
+from tests.conftest import TESTS, make_client, wait_answering, wait_finished, wait_for
 
 MODEL = "acme/remote-8b"
 SMALL = {"model": MODEL, "input_len": 64, "output_len": 8, "num_prompts": 6, "max_concurrency": 2}
@@ -50,17 +50,13 @@ class RemoteStub:
                 "--host", "127.0.0.1", "--port", str(port), *args]
         if self.url in KV_CONFIGS:
             argv += ["--kv-transfer-config", json.dumps(KV_CONFIGS[self.url])]
-        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
+        # A process group of its own, to be stopped whole; in the suite's session, as the
+        # service under test that times it (a session is a CPU share of its own).
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, process_group=0,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        with httpx.Client(timeout=1) as http:
-            while True:
-                assert self.proc.poll() is None, "stub server exited"
-                with contextlib.suppress(httpx.HTTPError):
-                    if http.get(f"{self.url}/health").status_code == 200:
-                        return
-                assert time.monotonic() < deadline, "stub server did not come up"
-                time.sleep(0.05)
+        proc = self.proc
+        wait_answering(f"{self.url}/health", 30, 0.05, "the stub server",
+                       ended=lambda: None if proc.poll() is None else "the stub server exited")
 
     def requests_seen(self) -> int:
         return int(httpx.get(f"{self.url}/stub/requests", timeout=5).json()["requests"])

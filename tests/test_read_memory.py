@@ -36,7 +36,7 @@ OUTPUT_TOKENS = 512
 # samples take them a slice at a time (each held well under this before: 125-205 MB).
 LIMIT_MB = 100
 # A comparison's interval over requests pools every gap of both runs (2 x 2 million here):
-# ``intervals._PooledQuantile`` keeps them sorted with their request's number (12 bytes a
+# ``intervals.PooledValues`` keeps them sorted with their request's number (12 bytes a
 # gap), plus a sort's temporaries while it is made. Before, every sample with its text
 # was held as well: 458 MB.
 COMPARE_LIMIT_MB = 150

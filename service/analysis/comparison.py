@@ -27,6 +27,7 @@ from service.analysis.intervals import (
     BOOTSTRAP,
     CONFIDENCE,
     T_TRIALS,
+    PooledValues,
     Ratio,
     across_trials,
     ratio_by_requests,
@@ -79,6 +80,7 @@ class Arm:
     id: str
     runs: list[Run]
     _values: dict[str, list[np.ndarray]] | None = field(default=None, repr=False)
+    _pooled: dict[str, PooledValues] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> list[Run]:
@@ -105,6 +107,15 @@ class Arm:
                     merged.setdefault(k, []).extend(groups)
             self._values = merged
         return self._values.get(name, [])
+
+    def pooled(self, engine: Engine, name: str) -> PooledValues:
+        """``request_groups`` ready for bootstraps, made once for the quantiles of ``name``
+        asked one after another (every gap of a long run is millions of values to sort).
+        Only the last name asked is kept: the sorted gaps of a long run are 12 bytes each."""
+        if name not in self._pooled:
+            self._pooled.clear()
+            self._pooled[name] = PooledValues(self.request_groups(engine, name))
+        return self._pooled[name]
 
 
 def trial_values(engine: Engine, run_id: str) -> dict[str, list[np.ndarray]]:
@@ -199,8 +210,8 @@ def ratio(engine: Engine, a: Arm, b: Arm, metric: Metric, seed: int = 0,
         return ratio_by_trials(a.trial_values(metric.key), b.trial_values(metric.key), confidence)
     if metric.values is None or not a.ok or not b.ok:
         return None
-    return ratio_by_requests(a.request_groups(engine, metric.values),
-                             b.request_groups(engine, metric.values), metric.q, confidence, seed=seed)
+    return ratio_by_requests(a.pooled(engine, metric.values), b.pooled(engine, metric.values),
+                             metric.q, confidence, seed=seed)
 
 
 # What a difference found over the requests of one run a side is said to be, at a level.

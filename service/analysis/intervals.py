@@ -68,46 +68,66 @@ MAX_BINS = 2048
 MAX_TABLE = 1_000_000
 
 
-class _PooledQuantile:
-    """The ``q`` quantile (numpy's linear interpolation) of the values of the groups drawn
-    in a resample, each value counted as often as its group was drawn: what
-    ``np.quantile`` of the concatenated drawn groups gives, without concatenating.
+# Per request, the values a statistic pools: its gaps, or its one value.
+Groups = Sequence[Sequence[float] | np.ndarray]
+
+
+class PooledValues:
+    """The values of many groups (one group per request), ready for bootstraps that
+    resample whole groups: ``resampled(picked, q)`` is the ``q`` quantile (numpy's linear
+    interpolation) of the values of the groups drawn in each resample, each value counted
+    as often as its group was drawn: what ``np.quantile`` of the concatenated drawn groups
+    gives, without concatenating. Made once, it serves every quantile of those values.
 
     The pooled values are sorted once and cut into bins of consecutive positions, with a
     table of how many values of each group fall in each bin. A resample's count per bin
     is then one matrix product (draw counts x table), which finds the bin holding the
     wanted order statistic; only that bin's values are weighed one by one. Exact, and
     about bins + values-per-bin work per resample instead of every value.
+
+    Only groups with a finite value are kept (``len`` counts them), each without its
+    values that are not finite.
     """
 
-    def __init__(self, groups: Sequence[np.ndarray], q: float) -> None:
-        self.q = q
-        self.n_groups = len(groups)
-        sizes = [g.size for g in groups]
+    def __init__(self, groups: Groups) -> None:
+        arrays = [np.asarray(g, dtype=np.float64).ravel() for g in groups]
+        # A copy only of a group with a value to drop.
+        arrays = [a if (finite := np.isfinite(a)).all() else a[finite] for a in arrays]
+        arrays = [a for a in arrays if a.size]
+        self.n_groups = len(arrays)
+        sizes = [a.size for a in arrays]
         self.sizes = np.array(sizes, dtype=np.float64)
         # Pooled values run to millions (every gap of a long run): each temporary is let go
-        # as soon as it is used, and groups are numbered in 32 bits.
-        values = np.concatenate(groups)
-        order = np.argsort(values, kind="stable")
+        # as soon as it is used, and groups are numbered in 32 bits. Equal values may fall
+        # in any order (the sort is not stable): an order statistic is the same value.
+        values = np.concatenate(arrays) if arrays else np.empty(0)
+        del arrays
+        order = np.argsort(values)
         self.values = values[order]
         del values
         self.owner = np.repeat(np.arange(self.n_groups, dtype=np.int32), sizes)[order]
         del order
         n = self.values.size
-        n_bins = max(1, min(n, MAX_BINS, MAX_TABLE // self.n_groups))
+        n_bins = max(1, min(n, MAX_BINS, MAX_TABLE // max(1, self.n_groups)))
         self.starts = np.linspace(0, n, n_bins + 1).astype(np.int64)
         lengths = np.diff(self.starts)
-        self.width = int(lengths.max())
-        # Bin by bin (a bin is a run of consecutive sorted values): no array as long as the values.
-        self.table = np.empty((self.n_groups, n_bins), dtype=np.float64)
+        self.width = int(lengths.max()) if n else 0
+        # Bin by bin (a bin is a run of consecutive sorted values): no array as long as the
+        # values. Filled a bin to a row, which is contiguous; used as groups x bins.
+        by_bin = np.empty((n_bins, self.n_groups), dtype=np.float64)
         for b in range(n_bins):
-            self.table[:, b] = np.bincount(self.owner[self.starts[b]:self.starts[b + 1]],
-                                           minlength=self.n_groups)
+            by_bin[b] = np.bincount(self.owner[self.starts[b]:self.starts[b + 1]], minlength=self.n_groups)
+        self.table = np.ascontiguousarray(by_bin.T)
+        del by_bin
 
-    def value(self) -> float:
-        return float(np.quantile(self.values, self.q))
+    def __len__(self) -> int:
+        return self.n_groups
 
-    def __call__(self, picked: np.ndarray) -> np.ndarray:
+    def value(self, q: float) -> float:
+        """The ``q`` quantile of all the values."""
+        return float(np.quantile(self.values, q))
+
+    def resampled(self, picked: np.ndarray, q: float) -> np.ndarray:
         """``picked``: group indices drawn with replacement, one row per resample."""
         picked = np.atleast_2d(picked).astype(np.int64)
         rows = picked.shape[0]
@@ -115,7 +135,7 @@ class _PooledQuantile:
         counts = np.bincount(flat, minlength=rows * self.n_groups).reshape(rows, self.n_groups)
         counts = counts.astype(np.float64)
         total = counts @ self.sizes
-        h = (total - 1) * self.q
+        h = (total - 1) * q
         k = np.floor(h)
         k_next = np.minimum(k + 1, total - 1)
         per_bin = counts @ self.table
@@ -142,36 +162,35 @@ class _PooledQuantile:
         return found
 
 
-def _groups(groups: Sequence[Sequence[float] | np.ndarray]) -> list[np.ndarray]:
-    arrays = [np.asarray(g, dtype=np.float64).ravel() for g in groups]
-    # A copy only of a group with a value to drop.
-    return [a if (finite := np.isfinite(a)).all() else a[finite] for a in arrays if a.size]
+def pooled(groups: Groups | PooledValues) -> PooledValues:
+    """``groups`` ready for a bootstrap (as they are when they already are)."""
+    return groups if isinstance(groups, PooledValues) else PooledValues(groups)
 
 
-def pooled_quantile_ci(groups: Sequence[Sequence[float] | np.ndarray], q: float,
+def pooled_quantile_ci(groups: Groups | PooledValues, q: float,
                        confidence: float = CONFIDENCE, n_resamples: int = RESAMPLES,
                        seed: int = 0) -> Interval | None:
     """The ``q`` quantile of all values of ``groups`` pooled (``np.quantile`` of the
     concatenation), with a percentile-bootstrap interval that resamples whole groups.
-    None with fewer than two non-empty groups."""
-    arrays = [g for g in _groups(groups) if g.size]
-    if len(arrays) < 2:
+    None with fewer than two non-empty groups. ``groups`` may come as ``PooledValues``,
+    made once for several quantiles."""
+    values = pooled(groups)
+    if len(values) < 2:
         return None
-    pooled = _PooledQuantile(arrays, q)
 
     def statistic(picked: np.ndarray, axis: int = -1) -> np.ndarray:
-        return pooled(np.moveaxis(picked, axis, -1))
+        return values.resampled(np.moveaxis(picked, axis, -1), q)
 
     result = stats.bootstrap(
-        (np.arange(len(arrays)),), statistic, vectorized=True, batch=BATCH,
+        (np.arange(len(values)),), statistic, vectorized=True, batch=BATCH,
         n_resamples=n_resamples, confidence_level=confidence, method="percentile",
         random_state=np.random.default_rng(seed),
     )
     ci = result.confidence_interval
-    return Interval(pooled.value(), float(ci.low), float(ci.high), confidence)
+    return Interval(values.value(q), float(ci.low), float(ci.high), confidence)
 
 
-def pooled_median_ci(groups: Sequence[Sequence[float] | np.ndarray], confidence: float = CONFIDENCE,
+def pooled_median_ci(groups: Groups | PooledValues, confidence: float = CONFIDENCE,
                      n_resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
     """``pooled_quantile_ci`` of the median."""
     return pooled_quantile_ci(groups, 0.5, confidence, n_resamples, seed)
@@ -271,24 +290,23 @@ T_TRIALS = "Welch t over trials"
 UNBOUNDED = 1e100
 
 
-def ratio_by_requests(a: Sequence[Sequence[float] | np.ndarray], b: Sequence[Sequence[float] | np.ndarray],
+def ratio_by_requests(a: Groups | PooledValues, b: Groups | PooledValues,
                       q: float, confidence: float = CONFIDENCE, n_resamples: int = RESAMPLES,
                       seed: int = 0) -> Ratio | None:
     """The ratio of the pooled ``q`` quantiles of B's and A's groups (one group per
     request: its gaps, or its one value), with a two-sample bootstrap that resamples each
     arm's requests on their own. None when an arm has under two requests or a zero
-    statistic."""
-    arms = [[g for g in _groups(x) if g.size] for x in (a, b)]
-    if any(len(x) < 2 for x in arms):
+    statistic. Either arm may come as ``PooledValues``, made once for several quantiles."""
+    qa, qb = pooled(a), pooled(b)
+    if len(qa) < 2 or len(qb) < 2:
         return None
-    qa, qb = _PooledQuantile(arms[0], q), _PooledQuantile(arms[1], q)
-    base, other = qa.value(), qb.value()
+    base, other = qa.value(q), qb.value(q)
     if base <= 0 or other <= 0:
         return None
 
     def statistic(pa: np.ndarray, pb: np.ndarray, axis: int = -1) -> np.ndarray:
-        va = qa(np.moveaxis(pa, axis, -1))
-        vb = qb(np.moveaxis(pb, axis, -1))
+        va = qa.resampled(np.moveaxis(pa, axis, -1), q)
+        vb = qb.resampled(np.moveaxis(pb, axis, -1), q)
         with np.errstate(divide="ignore", invalid="ignore"):
             # A resample whose A statistic is 0 has no ratio: UNBOUNDED stands for it (an
             # infinity would make the percentiles' interpolation and the spread inf - inf).
@@ -296,7 +314,7 @@ def ratio_by_requests(a: Sequence[Sequence[float] | np.ndarray], b: Sequence[Seq
         return out
 
     result = stats.bootstrap(
-        (np.arange(len(arms[0])), np.arange(len(arms[1]))), statistic, vectorized=True,
+        (np.arange(len(qa)), np.arange(len(qb))), statistic, vectorized=True,
         paired=False, batch=BATCH, n_resamples=n_resamples, confidence_level=confidence,
         method="percentile", random_state=np.random.default_rng(seed),
     )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.analysis.intervals import pooled_quantile_ci
+from service.analysis.intervals import PooledValues, pooled_quantile_ci
 from service.analysis.metrics import LATENCY_METRICS
 from service.analysis.steady_window import Waits, steady_gaps
 from service.core.sample import Sample
@@ -42,8 +42,9 @@ def summary_intervals(samples: Sequence[Sample], seed: int = 0) -> dict[str, lis
     values = request_values(samples)
     out: dict[str, list[float]] = {}
     for name in LATENCY_METRICS:
+        pooled = PooledValues(values[name])  # sorted once for both quantiles
         for stat, q in INTERVAL_QUANTILES:
-            interval = pooled_quantile_ci(values[name], q, seed=seed)
+            interval = pooled_quantile_ci(pooled, q, seed=seed)
             if interval is not None:
                 out[f"{stat}_{name}_ms_ci"] = interval.scaled(1000).pair()
     for name in ("itl", "tpot"):
