@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from service.control.handles import CANCELLED_BEFORE_PROCESS
+from service.storage import workers as storage_workers
 from tests.conftest import wait_finished, wait_for
 from tests.service_process import pid_alive
 
@@ -254,6 +257,39 @@ def test_a_cancel_while_the_worker_starts_leaves_no_worker_process(
     again = wait_finished(client, client.post("/api/runs", json=TINY).json()["id"], timeout=60)
     assert again["status"] == "succeeded", again["error"]
     assert again["worker_id"] != workers[0]["id"]
+
+
+def test_a_cancel_while_the_servers_row_is_written_leaves_no_row_starting(
+    stub_service: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The row of a server about to start is written in a thread, which a cancel cannot
+    # stop: held there until the cancel has been answered, the cancel comes while it is written.
+    client = stub_service()
+    writing, answered = threading.Event(), threading.Event()
+    real = storage_workers.add_worker
+
+    def slow_add_worker(*args: Any, **kwargs: Any) -> None:
+        writing.set()
+        answered.wait(timeout=30)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(storage_workers, "add_worker", slow_add_worker)
+    run = client.post("/api/runs", json=TINY).json()
+    assert writing.wait(timeout=30), "no server start began"
+    assert client.post(f"/api/runs/{run['id']}/cancel").status_code == 200
+    answered.set()
+    done = wait_finished(client, run["id"], timeout=30)
+    assert done["status"] == "cancelled" and done["error"] == "cancelled by the user"
+    # The row went in after the cancel: it is not left "starting" with no process behind it.
+    _wait(lambda: [w["status"] for w in client.get("/api/workers").json()] == ["stopped"],
+          "the server's row ended")
+    (worker,) = client.get("/api/workers").json()
+    assert worker["pid"] is None and worker["error"] == CANCELLED_BEFORE_PROCESS
+    # And the next run starts its own server.
+    monkeypatch.setattr(storage_workers, "add_worker", real)
+    again = wait_finished(client, client.post("/api/runs", json=TINY).json()["id"], timeout=60)
+    assert again["status"] == "succeeded", again["error"]
+    assert again["worker_id"] != worker["id"]
 
 
 # ---------------------------------------------------------------- the service stops

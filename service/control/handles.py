@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -9,10 +11,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from sqlalchemy import Engine
+
+from service.core.ids import utcnow
+from service.storage import workers
 from service.storage.logs import log_tail
+from service.storage.tables import Worker
 
 # How long a dead worker's log copier gets to write what was still in the pipe.
 LAST_WORDS_WAIT_S = 2.0
+
+
+# The error of a worker row written for a start that a cancel ended before any process.
+CANCELLED_BEFORE_PROCESS = "its run was cancelled before the server's process started"
+
+
+async def add_worker_row(engine: Engine, worker: Worker) -> None:
+    """Write a starting server's row, in a thread. A cancel meanwhile cannot stop the
+    thread: the row would go in after the start ended, ``starting`` with no process behind
+    it (listed as starting until the service restarts). So a cancel waits for the write,
+    ends the row ``stopped`` saying why, and then goes on."""
+    write = asyncio.ensure_future(asyncio.to_thread(workers.add_worker, engine, worker))
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await write
+            await asyncio.to_thread(workers.update_worker, engine, worker.id, status="stopped",
+                                    stopped_at=utcnow(), error=CANCELLED_BEFORE_PROCESS)
+        raise
 
 
 class WorkerError(Exception):

@@ -33,7 +33,7 @@ from sqlalchemy import Engine
 
 from service.control import provenance
 from service.control.cpu_binding import binding_env, parse_binding_log
-from service.control.handles import LAST_WORDS_WAIT_S, EngineFailed, WorkerError, WorkerHandle
+from service.control.handles import LAST_WORDS_WAIT_S, EngineFailed, WorkerError, WorkerHandle, add_worker_row
 from service.control.procs import (
     WORKER_ENV,
     LogFollower,
@@ -155,7 +155,7 @@ class LocalServers:
             chosen = binding_env(spec.engine.tensor_parallel_size, os.environ)
             env.update(chosen)
             cpu_binding = {"env": chosen}
-        await asyncio.to_thread(workers.add_worker, self.engine, Worker(
+        await add_worker_row(self.engine, Worker(
             id=worker_id,
             key=spec.worker_key(),
             model=spec.model,

@@ -43,7 +43,7 @@ from sqlalchemy import Engine
 from service.control import provenance
 from service.control.cpu_binding import parse_binding_log
 from service.control.energy import EnergyMeter, result_of
-from service.control.handles import WorkerError, WorkerHandle
+from service.control.handles import WorkerError, WorkerHandle, add_worker_row
 from service.control.ray_server_host import ServerHost
 from service.control.vllm_cli import kv_capacity, model_vocab_size, served_max_model_len, worker_argv
 from service.core.ids import new_id, utcnow
@@ -310,7 +310,7 @@ class RayServers:
             str(ensure_bundled(self.settings.models_dir, spec.model, spec.engine.num_layers)) if bundled
             else model_path)
         env = {k: v for k, v in os.environ.items() if k.startswith(self._forwarded())}
-        await asyncio.to_thread(workers.add_worker, self.engine, Worker(
+        await add_worker_row(self.engine, Worker(
             id=handle.id, key=handle.key, model=spec.model, engine=spec.engine.model_dump(),
             url=handle.url, port=port, token_hash=hash_token(token), log_path="", backend="ray",
             node=node, gpus=",".join(node["gpu_ids"]),
