@@ -38,8 +38,10 @@ AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 #   raylets, one of these at a time (Ray picks free ports: two clusters can run at once);
 # - otherwise its own file, so a module's fixtures (a shared service, a browser) are built once.
 # The groups go out heaviest first (the collection order below; the scheduler keeps it), so the
-# longest one does not start last. xdist's own `xdist_group` marks are not used: with pytest
-# 9.2 they no longer reach its scheduler (it renames a node id pytest no longer reads).
+# longest one does not start last: the "vllm" and "ray" groups, then the slow files, then the
+# others longest first by what each took in the last run on workers (pytest's cache; without
+# one, as a fresh clone, in file order). xdist's own `xdist_group` marks are not used: with
+# pytest 9.2 they no longer reach its scheduler (it renames a node id pytest no longer reads).
 def _group_of(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
     if module.startswith("test_ray_"):
@@ -49,7 +51,11 @@ def _group_of(nodeid: str) -> str:
     return module
 
 
-def _rank(item: pytest.Item) -> tuple[int, int]:
+# Where the seconds each group took in the last run on workers are kept (pytest's cache).
+DURATIONS_KEY = "decodebench/group_seconds"
+
+
+def _rank(item: pytest.Item, took: dict[str, float]) -> tuple[int, float]:
     group = _group_of(item.nodeid)
     if item.get_closest_marker("e2e") is not None and group != "vllm":
         raise pytest.UsageError(f"{item.nodeid} starts a real vLLM server (e2e): its module's "
@@ -60,12 +66,38 @@ def _rank(item: pytest.Item) -> tuple[int, int]:
         return 0, 0 if item.path.name == "test_e2e_shapes.py" else 1
     if group == "ray":
         return 1, 0
-    return (2 if item.get_closest_marker("slow") is not None else 3), 0
+    return (2 if item.get_closest_marker("slow") is not None else 3), -took.get(group, 0.0)
+
+
+def _on_workers(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) or hasattr(config, "workerinput")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_rank)  # stable: file order within a rank
+    # Every worker sorts alike (xdist checks that they all collected one order): they read
+    # one cache, written only once the run is over. One process keeps the file order.
+    cache = getattr(config, "cache", None)
+    took = cache.get(DURATIONS_KEY, {}) if cache is not None and _on_workers(config) else {}
+    items.sort(key=lambda item: _rank(item, took))  # stable: file order within a rank
+
+
+_GROUP_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # On the controller too: each worker's reports reach it.
+    _GROUP_SECONDS[_group_of(report.nodeid)] = _GROUP_SECONDS.get(_group_of(report.nodeid), 0.0) \
+        + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    cache = getattr(config, "cache", None)
+    if cache is None or hasattr(config, "workerinput") or not _on_workers(config) or not _GROUP_SECONDS:
+        return
+    took = {**cache.get(DURATIONS_KEY, {}), **{g: round(s, 1) for g, s in _GROUP_SECONDS.items()}}
+    cache.set(DURATIONS_KEY, took)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -10,11 +10,11 @@ client would hold the whole body, which is the client's memory, not the service'
 from __future__ import annotations
 
 import asyncio
-import random
 import tracemalloc
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 from fastapi import FastAPI
 
@@ -44,16 +44,17 @@ WORDS = ("the", "model", "decode", "token", "cache", "block", "fill", "value", "
          "latency", "context", "long", "prefix", "batch", "engine", "a", "of", "and", "to")
 
 
-def _samples(rng: random.Random, start: int, count: int) -> list[Sample]:
+def _samples(rng: np.random.Generator, start: int, count: int) -> list[Sample]:
+    gaps = rng.uniform(0.008, 0.03, (count, OUTPUT_TOKENS - 1))
+    ttfts = rng.uniform(0.2, 0.6, count)
+    words = np.array(WORDS)[rng.integers(0, len(WORDS), (count, OUTPUT_TOKENS))]
     out = []
-    for i in range(start, start + count):
+    for j, i in enumerate(range(start, start + count)):
         begin = i * 0.05
-        itl = [rng.uniform(0.008, 0.03) for _ in range(OUTPUT_TOKENS - 1)]
-        ttft = rng.uniform(0.2, 0.6)
-        text = " ".join(rng.choice(WORDS) for _ in range(OUTPUT_TOKENS))
-        out.append(Sample(index=i, prompt_len=32768, output_tokens=OUTPUT_TOKENS, ttft=ttft, itl=itl,
-                          latency=ttft + sum(itl), start_time=begin, success=True,
-                          due_time=begin, sent_time=begin, generated_text=text))
+        ttft = float(ttfts[j])
+        out.append(Sample(index=i, prompt_len=32768, output_tokens=OUTPUT_TOKENS, ttft=ttft,
+                          itl=gaps[j].tolist(), latency=ttft + float(gaps[j].sum()), start_time=begin,
+                          success=True, due_time=begin, sent_time=begin, generated_text=" ".join(words[j])))
     return out
 
 
@@ -74,7 +75,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> BigSweep:
     base = RunSpec(num_prompts=REQUESTS, output_len=OUTPUT_TOKENS, input_len=32768, max_concurrency=32)
     sweep = sweeps.create_sweep(engine, SweepCreate(base=base, grid={"mode": ["fill", "prefill"]}))
     _, runs = sweeps.get_sweep(engine, sweep.id)
-    rng = random.Random(0)
+    rng = np.random.default_rng(0)
     for run in runs:
         store.transition(engine, run.id, RunStatus.starting)
         store.transition(engine, run.id, RunStatus.running)
