@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from service.control.local import remove_rpc_dir
+from service.control.procs import remove_rpc_dir
 from tests.conftest import API_TOKEN, AUTH, STUB_COMMAND, wait_answering
 
 REPO = Path(__file__).resolve().parents[1]

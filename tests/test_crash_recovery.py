@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.control.local import rpc_dir
+from service.control.procs import rpc_dir
 from tests.conftest import AUTH
 from tests.service_process import ServiceProcess, pid_alive
 

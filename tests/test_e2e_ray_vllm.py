@@ -17,6 +17,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from service.control.procs import rpc_dir
 from tests.conftest import make_client, wait_finished, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -55,6 +56,11 @@ def _run_texts(tmp_path: Path, **settings: Any) -> tuple[list[str], dict[str, An
         done = wait_for(client, run_id, lambda r: r["connector"].get("requests_filled") == 3, timeout=30)
         worker = client.get(f"/api/workers/{done['worker_id']}").json()
         texts = _texts(client, run_id)
+        # vLLM made its sockets in the server's own directory on its node (this machine)...
+        sockets = list(rpc_dir(worker["id"]).iterdir())
+        assert sockets and all(path.is_socket() for path in sockets), sockets
+    # ... which went with the server when the service stopped it.
+    assert not rpc_dir(worker["id"]).exists()
     return texts, done, worker
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.control.local import rpc_dir
+from service.control.procs import rpc_dir
 from service.core.spec import RunSpec
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
 from service.load.generator import make_plan

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.control.local import rpc_dir
+from service.control.procs import rpc_dir
 from tests.service_process import ServiceProcess, group_pids
 
 GRACE_S = 2.0

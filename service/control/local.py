@@ -19,9 +19,7 @@ import asyncio
 import logging
 import os
 import secrets
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +41,8 @@ from service.control.procs import (
     is_our_worker,
     kill_group,
     log_head,
+    remove_rpc_dir,
+    rpc_dir,
     stop_process_group,
 )
 from service.control.startup_errors import (
@@ -61,19 +61,6 @@ from service.storage import workers
 from service.storage.logs import last_lines, log_end
 from service.storage.tables import Worker
 from service.storage.workers import hash_token
-
-
-def rpc_dir(worker_id: str) -> Path:
-    """Where a server's vLLM makes its inter-process sockets (``VLLM_RPC_BASE_PATH``): a
-    directory of its own in the system's temp directory, removed once the server stopped.
-    vLLM's default is the temp directory itself, and a process group stopped by signal
-    leaves its sockets there (seven a server start on a CPU). Short, as a socket's path
-    is at most 107 bytes."""
-    return Path(tempfile.gettempdir()) / f"decodebench-rpc-{worker_id}"
-
-
-def remove_rpc_dir(worker_id: str) -> None:
-    shutil.rmtree(rpc_dir(worker_id), ignore_errors=True)
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import IO
@@ -25,6 +27,21 @@ from typing import IO
 # Environment variable that marks a process as ours, so that after a crash we only
 # ever stop process groups this service started.
 WORKER_ENV = "DECODEBENCH_WORKER_ID"
+
+
+def rpc_dir(worker_id: str) -> Path:
+    """Where a server's vLLM makes its inter-process sockets (``VLLM_RPC_BASE_PATH``): a
+    directory of its own in the temp directory of the machine it runs on, removed once the
+    server stopped (``service.control.local``; on a Ray node, its ``ServerHost``). vLLM's
+    default is the temp directory itself, and a process group stopped by signal leaves its
+    sockets there (seven a server start on a CPU). Short, as a socket's path is at most
+    107 bytes."""
+    return Path(tempfile.gettempdir()) / f"decodebench-rpc-{worker_id}"
+
+
+def remove_rpc_dir(worker_id: str) -> None:
+    """Remove ``rpc_dir`` with whatever a stopped server left in it."""
+    shutil.rmtree(rpc_dir(worker_id), ignore_errors=True)
 
 
 class NoFreePort(Exception):

@@ -24,7 +24,14 @@ import ray
 
 from service.control.cpu_binding import binding_env
 from service.control.energy import EnergyMeter
-from service.control.procs import WORKER_ENV, drain_to_capped_file, log_head, stop_process_group
+from service.control.procs import (
+    WORKER_ENV,
+    drain_to_capped_file,
+    log_head,
+    remove_rpc_dir,
+    rpc_dir,
+    stop_process_group,
+)
 from service.core.shapes import ensure_bundled
 from service.storage.logs import log_tail
 
@@ -84,11 +91,18 @@ class ServerHost:
         if on_cpu:
             chosen = binding_env(tensor_parallel_size, full)
             full.update(chosen)
+        # vLLM's sockets in a directory of this server's own, removed when it stops.
+        full["VLLM_RPC_BASE_PATH"] = str(rpc_dir(self.worker_id))
+        rpc_dir(self.worker_id).mkdir(mode=0o700, parents=True, exist_ok=True)
         # On a GPU node Ray set CUDA_VISIBLE_DEVICES of this process to the GPUs it holds.
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=full, cwd=str(self.dir), process_group=0, preexec_fn=_die_with_parent,
-        )
+        try:
+            self.process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                env=full, cwd=str(self.dir), process_group=0, preexec_fn=_die_with_parent,
+            )
+        except BaseException:
+            remove_rpc_dir(self.worker_id)
+            raise
         assert self.process.stdout is not None
         threading.Thread(target=drain_to_capped_file,
                          args=(self.process.stdout, self.log_path, log_max_bytes),
@@ -122,8 +136,10 @@ class ServerHost:
         return self.meter.state()
 
     def stop(self, grace_s: float) -> int | None:
-        """Stop the server's process group (SIGTERM, SIGKILL after ``grace_s``)."""
+        """Stop the server's process group (SIGTERM, SIGKILL after ``grace_s``) and remove
+        its sockets' directory."""
         if self.process is not None:
             stop_process_group(self.process, grace_s)
+            remove_rpc_dir(self.worker_id)
             return self.process.returncode
         return None
