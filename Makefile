@@ -57,11 +57,19 @@ lint: setup-dev
 
 # Workers (pytest-xdist): the real vLLM tests run one after another on one worker, the Ray
 # tests on another, every other file whole on the next free one (tests/conftest.py). On a
-# 2-core machine 4 workers (TEST_WORKERS=4) take about 13 minutes where one process takes
-# 31, but their load failed a timing-bound test in three of eight fresh-clone runs: one
-# process (0) is the default and what CI runs.
+# 2-core machine 4 workers (TEST_WORKERS=4) take about 14 minutes where one process takes
+# 31, but their load failed a timing-bound test in three of nine fresh-clone runs (each
+# fixed since): one process (0) is the default and what CI runs.
 TEST_WORKERS ?= 0
-QUICK_WORKERS ?= 4
+QUICK_WORKERS ?= 6
+
+# One OpenBLAS thread per test process (numpy's and scipy's; vLLM's torch uses MKL): a
+# second one spins between the small matrix products of the bootstraps for none of their
+# wall time (test_stop_coverage with test_stats: 18.2-18.7 user-s with two threads,
+# 11.7-11.8 with one, 12.0 s of wall either way), and on workers it spins on the cores the
+# other workers need.
+OPENBLAS_NUM_THREADS ?= 1
+test test-quick: export OPENBLAS_NUM_THREADS := $(OPENBLAS_NUM_THREADS)
 
 test: setup-dev browser compose-tool lint
 	$(PY) -m pytest -x -q --durations=25 -n $(TEST_WORKERS)
