@@ -57,10 +57,8 @@ lint: setup-dev
 
 # Workers (pytest-xdist): the real vLLM tests run one after another on one worker, the Ray
 # tests on another, every other file whole on the next free one (tests/conftest.py). On a
-# 2-core machine 4 workers (TEST_WORKERS=4) take about 14 minutes where one process takes
-# 31, but their load failed a timing-bound test in three of nine fresh-clone runs (each
-# fixed since): one process (0) is the default and what CI runs.
-TEST_WORKERS ?= 0
+# 2-core machine 4 workers take 12-14 minutes where one process (TEST_WORKERS=0) takes 31.
+TEST_WORKERS ?= 4
 QUICK_WORKERS ?= 6
 
 # One OpenBLAS thread per test process (numpy's and scipy's; vLLM's torch uses MKL): a
