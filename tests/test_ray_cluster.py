@@ -19,6 +19,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from service.control.procs import remove_rpc_dir, rpc_dir
 from service.core.tinymodel import MAX_MODEL_LEN
 from tests.conftest import free_port, make_client, wait_finished, wait_for
 from tests.service_process import ServiceProcess, pid_alive
@@ -137,6 +138,9 @@ def test_a_server_node_that_dies_fails_its_run_naming_the_node(cluster: Cluster,
         assert client.get(f"/api/workers/{again['worker_id']}").json()["node"]["id"] != node_id
     if spare is not doomed:
         cluster.remove_node(spare)
+    # A dead node's disk goes with it; this "node" was this machine, whose temp dir keeps
+    # the server's sockets' directory (its actor died before it could remove it).
+    remove_rpc_dir(worker_id)
 
 
 def test_a_server_that_exits_while_starting_on_a_node_says_why(cluster: Cluster, tmp_path: Path,
@@ -146,9 +150,13 @@ def test_a_server_that_exits_while_starting_on_a_node_says_why(cluster: Cluster,
     monkeypatch.setenv("STUB_EXIT_AT_START", "3")
     with make_client(tmp_path, **ray_settings(cluster)) as client:
         done = wait_finished(client, client.post("/api/runs", json=RUN).json()["id"])
+        (worker,) = client.get("/api/workers").json()
     assert done["status"] == "failed"
     assert "exit code 3" in done["error"] and "Ray node" in done["error"], done["error"]
     assert "stub: exiting at start as told" in done["error"], done["error"]
+    # The actor was still asked to stop it: nothing of it is left on its node (this machine).
+    assert worker["status"] == "failed" and worker["backend"] == "ray"
+    assert not rpc_dir(worker["id"]).exists()
 
 
 def test_a_service_killed_and_restarted_leaves_nothing_on_the_cluster(cluster: Cluster,

@@ -81,6 +81,8 @@ class RayProcess:
         self.returncode: int | None = None
         self.node: dict[str, Any] = {}
         self.gone: str | None = None
+        # The actor is gone with the process (its node left, or it died): nothing to ask it.
+        self.lost = False
         self.last_tail = ""
         self._read_after_gone = False
 
@@ -358,11 +360,13 @@ class RayServers:
             await asyncio.sleep(0.5)
 
     async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
-        """Stop the server's process group on its node, then its actor."""
+        """Stop the server's process group on its node, then its actor. A server whose
+        process ended on its own is stopped too: its group may hold children still, and the
+        actor removes its sockets' directory."""
         self.tokens.pop(handle.id, None)
         process = self._procs.pop(handle.id, None)
         if process is not None:
-            if process.returncode is None:
+            if not process.lost:
                 with contextlib.suppress(RayError, TimeoutError):
                     await self._ask(process.actor.stop.remote(self.settings.worker_stop_grace_s),
                                     self.settings.worker_stop_grace_s + ASK_TIMEOUT_S)
@@ -430,11 +434,13 @@ class RayServers:
                 futures: list[Future[Any]] = [p.actor.poll.remote().future() for p in procs]
                 for process, future in zip(procs, futures, strict=True):
                     if process.node.get("id") not in alive:
+                        process.lost = True
                         process.ended(LOST, f"its {process.where()} left the cluster")
                         continue
                     try:
                         code = await asyncio.wait_for(asyncio.wrap_future(future), ASK_TIMEOUT_S)
                     except (RayError, TimeoutError) as exc:
+                        process.lost = True
                         process.ended(LOST, f"its actor on {process.where()} was lost ({type(exc).__name__})")
                         continue
                     if code is not None:
