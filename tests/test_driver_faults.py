@@ -3,6 +3,7 @@ its own, and none outlives its run or the service."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from service.load.shards import DriverPool, Drivers
 from tests.conftest import wait_finished, wait_for
 from tests.service_process import ServiceProcess, driver_pids, host_pids, pid_alive
 from tests.test_reliability import SLOW_RUN, SMALL
@@ -122,3 +124,37 @@ def test_no_driver_outlives_the_service(tmp_path: Path, how: str) -> None:
     finally:
         service.stop()
         service._kill_workers()
+
+
+class _LineStream:
+    """A driver's stdout as the reader awaits it: lines fed by the test."""
+
+    def __init__(self) -> None:
+        self.stdout = asyncio.StreamReader()
+
+    async def wait(self) -> int:
+        return 0
+
+
+def test_a_cancel_that_lands_as_a_drivers_line_arrives_stops_the_reader() -> None:
+    # The service reads each shard's lines with a deadline (asyncio.wait_for). On Python
+    # 3.11 a cancel delivered in the step where the awaited line arrives was lost: the
+    # line came back and the reader read on, so a cancelled run went on sending to its end
+    # (seen once in a 4-worker fresh-clone run: samples for 30 s after Ctrl-C).
+    async def main() -> list[dict[str, Any]]:
+        drivers = Drivers([], DriverPool(Path("/nonexistent")), hang_s=30)
+        stream = _LineStream()
+        drivers.procs = [stream]  # type: ignore[list-item]
+        seen: list[dict[str, Any]] = []
+        reader = asyncio.ensure_future(drivers._read(0, lambda _, line: seen.append(line)))
+        await asyncio.sleep(0)  # the reader waits for a line
+        stream.stdout.feed_data(b'{"n": 1}\n')
+        reader.cancel()  # in the same step: the line and the cancel arrive together
+        await asyncio.sleep(0.05)
+        stream.stdout.feed_data(b'{"n": 2}\n')  # a reader that read on takes this one
+        await asyncio.sleep(0.05)
+        assert reader.done(), "the reader read on after its cancel"
+        assert reader.cancelled()
+        return seen
+
+    assert asyncio.run(main()) == []

@@ -50,7 +50,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from service.core.sample import Sample
 from service.load.driver import DriverConfig
 from service.load.ray_driver_host import DriverHost
-from service.load.shards import STOP_WAIT_S, DriverError, ShardedRun, run_configs
+from service.load.shards import STOP_WAIT_S, DriverError, ShardedRun, honour_lost_cancel, run_configs
 
 if TYPE_CHECKING:
     from service.core.spec import RunSpec
@@ -231,6 +231,7 @@ class RayDrivers(ShardedRun):
         while True:
             lines, code = await host.call("lines", key, self._handed[k], POLL_S,
                                           timeout=POLL_S + self.hang_s)
+            honour_lost_cancel()
             self._hand_on(k, lines, on_sample)
             now = time.perf_counter()
             if lines:

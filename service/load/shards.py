@@ -41,6 +41,17 @@ STOP_WAIT_S = 3.0
 START_LEAD_S = 0.05
 
 
+def honour_lost_cancel() -> None:
+    """In a loop that reads a shard's lines through ``asyncio.wait_for``: raise the cancel
+    the task was asked for, if it was lost. Python 3.11's ``wait_for`` returns the result
+    when a cancel lands as the awaited thing completes, and the cancel is gone (fixed in
+    3.12): a run cancelled then went on sending to its end. Not for cleanup code, which
+    runs with the cancel asked."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class DriverError(Exception):
     """A driver process died, hung or could not start; the message says why."""
 
@@ -426,6 +437,7 @@ class Drivers(ShardedRun):
                     f"load driver {shard} sent nothing for {self.hang_s:g} s (hung); its stderr:\n"
                     f"{self.stderr_tail()}"
                 ) from None
+            honour_lost_cancel()
             if not line:
                 break
             handle(shard, json.loads(line))
