@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import shlex
 import sys
@@ -35,6 +36,12 @@ class Settings(BaseSettings):
     # What NVML found, asked once: the scheduler wants the GPU ids on every pass.
     _nvml_gpus: list[str] | None = PrivateAttr(default=None)
     vllm_command: str | None = None
+    # The ports the servers the service starts listen on, "LOW-HIGH" (both included), here
+    # and on Ray nodes; None: any port the system has free. A range outside the system's
+    # ephemeral ports (Linux: /proc/sys/net/ipv4/ip_local_port_range) is never taken by
+    # another program asking the system for a free port, or by an outgoing connection,
+    # while a server starts; it is also what a firewall or a published container port needs.
+    server_ports: str | None = None
     # URL the connector inside a worker uses to reach this service.
     control_url: str | None = None
     worker_start_timeout_s: float = Field(default=600.0, gt=0)
@@ -119,6 +126,27 @@ class Settings(BaseSettings):
                 "another user's included: give your cluster's address, HOST:6379 (as `ray start "
                 "--head` printed it) or ray://HOST:10001")
         return value or None
+
+    @field_validator("server_ports")
+    @classmethod
+    def _port_range(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", value)
+        if match is None:
+            raise ValueError(f"{value!r} is not a range of ports: give LOW-HIGH, as 20000-20099")
+        low, high = int(match[1]), int(match[2])
+        if not 1024 <= low <= high <= 65535:
+            raise ValueError(f"{value!r}: give 1024 <= LOW <= HIGH <= 65535")
+        return f"{low}-{high}"
+
+    @property
+    def server_port_range(self) -> range | None:
+        """``server_ports`` as the ports it names; None: any free port."""
+        if self.server_ports is None:
+            return None
+        low, high = (int(part) for part in self.server_ports.split("-"))
+        return range(low, high + 1)
 
     @property
     def db_path(self) -> Path:

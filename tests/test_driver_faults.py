@@ -137,8 +137,8 @@ class _LineStream:
 
 
 def test_a_cancel_that_lands_as_a_drivers_line_arrives_stops_the_reader() -> None:
-    # The service reads each shard's lines with a deadline (asyncio.wait_for). On Python
-    # 3.11 a cancel delivered in the step where the awaited line arrives was lost: the
+    # The service reads each shard's lines with a deadline. Through asyncio.wait_for, on
+    # Python 3.11 a cancel delivered in the step where the awaited line arrives was lost: the
     # line came back and the reader read on, so a cancelled run went on sending to its end
     # (seen once in a 4-worker fresh-clone run: samples for 30 s after Ctrl-C).
     async def main() -> list[dict[str, Any]]:

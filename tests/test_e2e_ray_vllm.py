@@ -19,6 +19,7 @@ from ray.cluster_utils import Cluster
 
 from service.control.procs import rpc_dir
 from tests.conftest import make_client, wait_finished, wait_for
+from tests.vllm_process import service_server_ports
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +49,8 @@ def _texts(client: Any, run_id: str) -> list[str]:
 
 def _run_texts(tmp_path: Path, **settings: Any) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
     """A fill run on a real vLLM server: its generated texts, the run, and its server."""
-    with make_client(tmp_path, vllm_command=None, worker_start_timeout_s=300, **settings) as client:
+    with make_client(tmp_path, vllm_command=None, worker_start_timeout_s=300,
+                     server_ports=service_server_ports(), **settings) as client:
         run_id = client.post("/api/runs", json=SPEC).json()["id"]
         done = wait_finished(client, run_id, timeout=600)
         assert done["status"] == "succeeded", done["error"]

@@ -27,8 +27,7 @@ from service.core.spec import RunSpec
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
 from service.load.generator import make_plan
 from tests.conftest import API_TOKEN, wait_finished, wait_for
-from tests.vllm_process import free_port as _free_port
-from tests.vllm_process import start_vllm
+from tests.vllm_process import reference_port, start_vllm
 from tests.vllm_process import stop as _stop
 from tests.vllm_process import wait_healthy as _wait_healthy
 
@@ -101,10 +100,24 @@ def reference_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     try:
         _wait_healthy(*plain, root / "plain.log")
         _wait_healthy(*upstream, root / "upstream.log")
+        _REFERENCES.update({plain[1]: (plain[0], root / "plain.log"),
+                            upstream[1]: (upstream[0], root / "upstream.log")})
         yield {"plain": plain[1], "upstream": upstream[1]}
     finally:
+        _REFERENCES.clear()
         _stop(plain[0])
         _stop(upstream[0])
+
+
+# A reference server's process and log, by URL: a failure says how the server ended.
+_REFERENCES: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+
+
+def _reference_end(url: str) -> str:
+    if url not in _REFERENCES:
+        return ""
+    proc, log_path = _REFERENCES[url]
+    return f"; its exit code: {proc.poll()}; its log's end:\n{log_path.read_text(errors='replace')[-3000:]}"
 
 
 def _generate(url: str, spec: dict[str, Any]) -> list[str]:
@@ -115,7 +128,10 @@ def _generate(url: str, spec: dict[str, Any]) -> list[str]:
         body = {"model": TINY_MODEL_NAME, "prompt": plan.prompt(position),
                 "max_tokens": int(plan.output_lens[position]), "ignore_eos": True,
                 "temperature": 0.0}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        try:
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        except httpx.TransportError as exc:
+            raise AssertionError(f"{url} did not answer ({exc}){_reference_end(url)}") from None
         assert response.status_code == 200, response.text
         texts.append(response.json()["choices"][0]["text"])
     return texts
@@ -334,7 +350,7 @@ def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
     service answers its pull slowly (through a proxy that holds each pull 1 s): the
     request waits in vLLM's queue for its run's values, it is never filled with others."""
     engine = {"max_model_len": 8192}
-    port = _free_port()
+    port = reference_port()
     response = service.post("/api/workers", json={
         "url": f"http://127.0.0.1:{port}", "model": TINY_MODEL_NAME, "engine": engine})
     assert response.status_code == 201, response.text

@@ -5,6 +5,10 @@ runner's to carry out, and two servers starting at once never share a port."""
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -117,8 +121,8 @@ def test_two_servers_starting_at_once_never_get_the_same_port(
     picked: list[int] = []
     real = procs.free_port
 
-    def same_port_twice(taken: set[int]) -> int:
-        port = picked[0] if picked and picked[0] not in taken else real(taken)
+    def same_port_twice(taken: set[int], ports: range | None = None) -> int:
+        port = picked[0] if picked and picked[0] not in taken else real(taken, ports)
         picked.append(port)
         return port
 
@@ -148,3 +152,39 @@ def test_two_servers_starting_at_once_never_get_the_same_port(
 
     ports = asyncio.run(start_two())
     assert len(set(ports)) == 2, ports
+
+
+def _free_run_of_ports(count: int) -> int:
+    """The first of ``count`` ports in a row that are free now, below the ephemeral range."""
+    for low in range(25000, 30000, count):
+        if all(procs.try_bind("127.0.0.1", port) is not None for port in range(low, low + count)):
+            return low
+    raise AssertionError("no run of free ports found")
+
+
+def test_servers_listen_on_the_ports_the_setting_names_and_skip_one_in_use(tmp_path: Path) -> None:
+    # Another program listens on the range's first port, as a server does (with SO_REUSEADDR):
+    # the service's server takes the next one.
+    low = _free_run_of_ports(3)
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", low))
+        other.listen()
+        with make_client(tmp_path, server_ports=f"{low}-{low + 2}") as client:
+            done = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"], timeout=60)
+            assert done["status"] == "succeeded", done["error"]
+            worker = client.get(f"/api/workers/{done['worker_id']}").json()
+            assert worker["url"] == f"http://127.0.0.1:{low + 1}"
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    ("20000", "'20000' is not a range of ports: give LOW-HIGH, as 20000-20099"),
+    ("20100-20000", "'20100-20000': give 1024 <= LOW <= HIGH <= 65535"),
+    ("80-90", "'80-90': give 1024 <= LOW <= HIGH <= 65535"),
+])
+def test_a_bad_port_range_stops_the_service_saying_why(tmp_path: Path, value: str, said: str) -> None:
+    ended = subprocess.run(
+        [sys.executable, "-m", "service"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "DECODEBENCH_DATA_DIR": str(tmp_path / "var"), "DECODEBENCH_SERVER_PORTS": value})
+    assert ended.returncode == 1
+    assert ended.stderr.strip().splitlines()[-1] == f"decodebench: DECODEBENCH_SERVER_PORTS: {said}"

@@ -110,7 +110,7 @@ class LocalServers:
         worker_id = new_id("w")
         token = secrets.token_urlsafe(32)
         try:
-            port = free_port(taken | self._reserved_ports)
+            port = free_port(taken | self._reserved_ports, self.settings.server_port_range)
         except NoFreePort as exc:
             raise WorkerError(str(exc)) from None
         self._reserved_ports.add(port)
@@ -256,7 +256,9 @@ class LocalServers:
                     if caused or time.monotonic() - failed_at >= ROOT_CAUSE_WAIT_S:
                         raise EngineFailed(message)
                 if probe is not None and probe.done():
-                    if probe.result():
+                    # Its process still there: what answered is the server, not another
+                    # program on the port it was to listen on (its own start then fails).
+                    if probe.result() and process.poll() is None:
                         return
                     probe = None
                 now = time.monotonic()

@@ -106,14 +106,31 @@ def drain_to_capped_file(pipe: IO[bytes], path: Path, max_bytes: int) -> None:
         pipe.close()
 
 
-def free_port(taken: set[int]) -> int:
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in taken:
+def free_port(taken: set[int], ports: range | None = None, address: str = "127.0.0.1") -> int:
+    """A port free on ``address`` now and not in ``taken``: one the system picks, or the
+    first free one of ``ports`` (``Settings.server_port_range``)."""
+    if ports is None:
+        for _ in range(100):
+            port = try_bind(address, 0)
+            if port is not None and port not in taken:
+                return port
+        raise NoFreePort("no free port found for a new server")
+    for port in ports:
+        if port not in taken and try_bind(address, port) is not None:
             return port
-    raise NoFreePort("no free port found for a new worker")
+    raise NoFreePort(f"no port of {ports.start}-{ports.stop - 1} (DECODEBENCH_SERVER_PORTS) is "
+                     "free for a new server: widen the range, or stop what holds its ports")
+
+
+def try_bind(address: str, port: int) -> int | None:
+    """The port a socket bound to (``address``, ``port``) got; None if it is taken. Without
+    SO_REUSEADDR: a port a starting server has bound (and listens on only later) is taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, port))
+        except OSError:
+            return None
+        return int(s.getsockname()[1])
 
 
 def is_our_worker(pid: int, worker_id: str) -> bool:

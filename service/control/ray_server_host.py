@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from service.control.energy import EnergyMeter
 from service.control.procs import (
     WORKER_ENV,
     drain_to_capped_file,
+    free_port,
     log_head,
     remove_rpc_dir,
     rpc_dir,
@@ -71,11 +71,12 @@ class ServerHost:
         return {"id": context.get_node_id(), "address": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
                 "gpu_ids": gpu_ids, "models_dir": str(self.dir / "models")}
 
-    def free_port(self, address: str) -> int:
-        """A port free on this node's address now."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((address, 0))
-            return int(s.getsockname()[1])
+    def free_port(self, address: str, ports: tuple[int, int] | None = None,
+                  taken: list[int] | None = None) -> int:
+        """A port free on this node's address now and not in ``taken``: one the system
+        picks, or the first free one of ``ports`` (first and last, ``DECODEBENCH_SERVER_PORTS``)."""
+        chosen = None if ports is None else range(ports[0], ports[1] + 1)
+        return free_port(set(taken or ()), chosen, address)
 
     def start(self, argv: list[str], env: dict[str, str], tensor_parallel_size: int,
               on_cpu: bool, log_max_bytes: int, bundled: tuple[str, int | None] | None) -> dict[str, Any]:

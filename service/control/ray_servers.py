@@ -200,6 +200,8 @@ class RayServers:
         self.client = client
         self.tokens: dict[str, str] = {}
         self._procs: dict[str, RayProcess] = {}
+        # Ports chosen for servers that may not hold them yet (``_start``).
+        self._reserved: set[int] = set()
         self._nodes: list[dict[str, Any]] = []
         self._watcher: asyncio.Task[None] | None = None
         connect(settings)
@@ -232,7 +234,6 @@ class RayServers:
                     taken: set[int]) -> WorkerHandle:
         """Start a server actor for ``spec`` (``gpus``: the slots placement gave the run;
         Ray picks the node and the GPUs) and wait until it is healthy."""
-        del taken  # ports are the node's business: the actor picks a free one there
         self._ensure_watching()
         worker_id = new_id("w")
         token = secrets.token_urlsafe(32)
@@ -249,7 +250,7 @@ class RayServers:
         hold(handle)
         self.tokens[worker_id] = token
         # From here a failure leaves the server to the fleet, which holds it: it stops it.
-        await self._start(spec, handle, process, token, on_gpu)
+        await self._start(spec, handle, process, token, on_gpu, taken)
         handle.ready = True
         log.info("worker %s ready at %s on node %s", worker_id, handle.url, (handle.node or {}).get("id"))
         return handle
@@ -292,14 +293,30 @@ class RayServers:
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
 
     async def _start(self, spec: RunSpec, handle: WorkerHandle, process: RayProcess, token: str,
-                     on_gpu: bool) -> None:
+                     on_gpu: bool, taken: set[int]) -> None:
         deadline = time.monotonic() + self.settings.worker_start_timeout_s
         where = await self._placed(spec, process, on_gpu)
         actor = process.actor
         node = {"id": where["id"], "address": where["address"], "gpu_ids": where["gpu_ids"]}
         process.node = handle.node = node
         host = self.settings.ray_server_host or where["address"]
-        port = int(await self._ask(actor.free_port.remote(host)))
+        # Without DECODEBENCH_SERVER_PORTS the node's system picks the port. With a range,
+        # the first free one of it, less the ports of the servers held already and of those
+        # starting, which may not have bound theirs yet (``taken``: on any node; skipping
+        # more of the range than needed is harmless).
+        ports = self.settings.server_port_range
+        chosen = None if ports is None else (ports.start, ports.stop - 1)
+        port = int(await self._ask(actor.free_port.remote(host, chosen, sorted(taken | self._reserved))))
+        self._reserved.add(port)
+        try:
+            await self._start_on(spec, handle, process, token, on_gpu, where, host, port, deadline)
+        finally:
+            self._reserved.discard(port)
+
+    async def _start_on(self, spec: RunSpec, handle: WorkerHandle, process: RayProcess, token: str,
+                        on_gpu: bool, where: dict[str, Any], host: str, port: int,
+                        deadline: float) -> None:
+        actor, node = process.actor, process.node
         argv, model_path = worker_argv(self.settings, spec, port, token, handle.gpus if on_gpu else [],
                                        host=host, models_dir=Path(where["models_dir"]))
         handle.port = port

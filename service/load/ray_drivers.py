@@ -50,7 +50,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from service.core.sample import Sample
 from service.load.driver import DriverConfig
 from service.load.ray_driver_host import DriverHost
-from service.load.shards import STOP_WAIT_S, DriverError, ShardedRun, honour_lost_cancel, run_configs
+from service.load.shards import STOP_WAIT_S, DriverError, ShardedRun, run_configs
 
 if TYPE_CHECKING:
     from service.core.spec import RunSpec
@@ -96,8 +96,11 @@ class HostRef:
     async def call(self, method: str, *args: Any, timeout: float = CALL_S) -> Any:
         """Call ``method`` on the host; ``DriverError`` naming the node if it fails, its
         host or node died, or no answer came in ``timeout`` seconds."""
+        # ``asyncio.timeout``, not ``wait_for``, which on Python 3.11 can lose a cancel that
+        # lands as the answer arrives (``Drivers._read``): a cancelled run's pollers stop.
         try:
-            return await asyncio.wait_for(getattr(self.actor, method).remote(*args), timeout)
+            async with asyncio.timeout(timeout):
+                return await getattr(self.actor, method).remote(*args)
         except TimeoutError:
             raise DriverError(f"the load driver host on node {self.where} did not answer "
                               f"{method} within {timeout:g} s") from None
@@ -231,7 +234,6 @@ class RayDrivers(ShardedRun):
         while True:
             lines, code = await host.call("lines", key, self._handed[k], POLL_S,
                                           timeout=POLL_S + self.hang_s)
-            honour_lost_cancel()
             self._hand_on(k, lines, on_sample)
             now = time.perf_counter()
             if lines:

@@ -41,17 +41,6 @@ STOP_WAIT_S = 3.0
 START_LEAD_S = 0.05
 
 
-def honour_lost_cancel() -> None:
-    """In a loop that reads a shard's lines through ``asyncio.wait_for``: raise the cancel
-    the task was asked for, if it was lost. Python 3.11's ``wait_for`` returns the result
-    when a cancel lands as the awaited thing completes, and the cancel is gone (fixed in
-    3.12): a run cancelled then went on sending to its end. Not for cleanup code, which
-    runs with the cancel asked."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
 class DriverError(Exception):
     """A driver process died, hung or could not start; the message says why."""
 
@@ -430,14 +419,18 @@ class Drivers(ShardedRun):
         proc = self.procs[shard]
         assert proc.stdout is not None
         while True:
+            # ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` returns the
+            # line when a cancel lands as the line arrives, and the cancel is lost (the
+            # cancelled run then went on sending to its end). Here the read is awaited in
+            # this task, whose cancel is raised at its next step whatever the read did.
             try:
-                line = await asyncio.wait_for(proc.stdout.readline(), self.hang_s)
+                async with asyncio.timeout(self.hang_s):
+                    line = await proc.stdout.readline()
             except TimeoutError:
                 raise DriverError(
                     f"load driver {shard} sent nothing for {self.hang_s:g} s (hung); its stderr:\n"
                     f"{self.stderr_tail()}"
                 ) from None
-            honour_lost_cancel()
             if not line:
                 break
             handle(shard, json.loads(line))
