@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import httpx
 
 from service.control.procs import remove_rpc_dir
 from tests.conftest import API_TOKEN, AUTH, STUB_COMMAND, wait_answering
+from tests.ports import worker_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,18 +88,12 @@ def driver_pids(parent: int | None = None, run_id: str | None = None) -> list[in
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class ServiceProcess:
     """Starts, kills and restarts one service process on one data dir, with stub workers."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
-        self.port = _free_port()
+        self.port = worker_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
             **os.environ,

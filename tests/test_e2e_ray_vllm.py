@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster
 
 from service.control.procs import rpc_dir
 from tests.conftest import make_client, wait_finished, wait_for
-from tests.vllm_process import service_server_ports
+from tests.ports import service_server_ports
 
 pytestmark = pytest.mark.e2e
 
@@ -71,6 +71,9 @@ def test_a_vllm_server_on_ray_generates_what_a_local_one_does(
     on_ray, run, worker = _run_texts(tmp_path / "ray", ray_address=cluster.address, ray_namespace=NAMESPACE,
                                      ray_server_host="127.0.0.1", ray_server_cpus=1.0)
     assert worker["backend"] == "ray" and worker["node"]["id"]
+    # Its node's host gave it a port of the range the service was told (DECODEBENCH_SERVER_PORTS).
+    low, high = (int(p) for p in service_server_ports().split("-"))
+    assert low <= int(worker["url"].rsplit(":", 1)[1]) <= high, worker["url"]
     # The connector pulled this run's values from the service and reported what it filled.
     assert run["connector"]["pulls"] >= 1
     assert run["connector"]["filled_requests"] == 3 and run["connector"]["other_requests"] == 0

@@ -15,7 +15,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,62 +24,16 @@ from pathlib import Path
 
 import httpx
 
-from service.control import procs
 from tests.conftest import API_TOKEN, AUTH, wait_answering
+from tests.ports import service_server_ports, worker_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# Real vLLM servers listen on ports below the system's ephemeral range, each pytest-xdist
-# worker on its own: a server binds its port some 10 s after the port was chosen (its
-# imports), and a port of the ephemeral range could be handed to another test's stub in
-# between (bind to port 0, on another worker) whose /health then answered for the server.
-# Seen once in CI: a reference server "healthy" before its API server ran, refusing later.
-PORTS_BASE = 20000
-PORTS_PER_WORKER = 400
-
-
-def _worker_ports() -> range:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    low = PORTS_BASE + index * PORTS_PER_WORKER
-    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    assert low + PORTS_PER_WORKER <= ephemeral, f"worker {worker}'s ports reach the ephemeral range"
-    return range(low, low + PORTS_PER_WORKER)
-
-
-def service_server_ports() -> str:
-    """``DECODEBENCH_SERVER_PORTS`` for a service of this worker that starts real servers."""
-    ports = _worker_ports()
-    return f"{ports.start}-{ports.start + PORTS_PER_WORKER // 2 - 1}"
-
-
-# The ports handed out already: a server started a moment ago may not have bound its own.
-_HANDED: set[int] = set()
-
-
-def reference_port() -> int:
-    """A port of this worker's own range, free now and not handed out before, for a server
-    the test starts itself."""
-    ports = _worker_ports()[PORTS_PER_WORKER // 2:]
-    if set(ports) <= _HANDED:
-        _HANDED.clear()
-    port = procs.free_port(_HANDED, ports)
-    _HANDED.add(port)
-    return port
 
 
 @contextlib.contextmanager
 def real_service(data_dir: Path, **env_extra: str) -> Iterator[httpx.Client]:
     """The service as a real process that starts real vLLM servers; stopped with SIGTERM."""
-    port = free_port()
+    port = worker_port()
     env = {**os.environ, "DECODEBENCH_DATA_DIR": str(data_dir), "DECODEBENCH_PORT": str(port),
            "DECODEBENCH_GPUS": "", "DECODEBENCH_API_TOKEN": API_TOKEN,
            "DECODEBENCH_SERVER_PORTS": service_server_ports(), **env_extra}
@@ -122,7 +75,7 @@ def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, d
                kv_bytes: int = 1 << 30, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """A plain vLLM server on ``model_dir`` with dummy weights, in a process group of its
     own in the suite's session, on ``port`` or a free one."""
-    port = port or reference_port()
+    port = port or worker_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--load-format", "dummy", "--enforce-eager",
