@@ -9,7 +9,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +190,51 @@ def test_a_bad_port_range_stops_the_service_saying_why(tmp_path: Path, value: st
         env={**os.environ, "DECODEBENCH_DATA_DIR": str(tmp_path / "var"), "DECODEBENCH_SERVER_PORTS": value})
     assert ended.returncode == 1
     assert ended.stderr.strip().splitlines()[-1] == f"decodebench: DECODEBENCH_SERVER_PORTS: {said}"
+
+
+class _OtherProgram(BaseHTTPRequestHandler):
+    """Another program on the port a server is to listen on: it answers /health and lists
+    another model; it counts the completions sent to it."""
+
+    completions = 0
+
+    def do_GET(self) -> None:
+        listed = b'{"object": "list", "data": [{"id": "another-model"}]}'
+        body = listed if self.path == "/v1/models" else b"{}"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        type(self).completions += 1
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_another_program_answering_on_a_starting_servers_port_is_not_taken_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The system handed the server's port to another program too (as it can between the
+    # pick and vLLM's listen): that program answers /health at once, while the server
+    # still loads. The server is not taken as ready; it fails to listen and says why.
+    _OtherProgram.completions = 0
+    other = ThreadingHTTPServer(("127.0.0.1", 0), _OtherProgram)
+    port = other.server_address[1]
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setattr("service.control.local.free_port", lambda taken, ports=None: port)
+    try:
+        with make_client(tmp_path) as client:
+            done = wait_finished(client, client.post("/api/runs", json=SMALL).json()["id"], timeout=60)
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert done["status"] == "failed"
+    assert "address already in use" in done["error"].lower(), done["error"]
+    assert _OtherProgram.completions == 0

@@ -53,7 +53,13 @@ from service.control.startup_errors import (
     root_cause,
     startup_phase,
 )
-from service.control.vllm_cli import kv_capacity, model_vocab_size, served_max_model_len, worker_argv
+from service.control.vllm_cli import (
+    answers_as,
+    kv_capacity,
+    model_vocab_size,
+    served_max_model_len,
+    worker_argv,
+)
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
 from service.settings import Settings
@@ -256,14 +262,14 @@ class LocalServers:
                     if caused or time.monotonic() - failed_at >= ROOT_CAUSE_WAIT_S:
                         raise EngineFailed(message)
                 if probe is not None and probe.done():
-                    # Its process still there: what answered is the server, not another
-                    # program on the port it was to listen on (its own start then fails).
+                    # It still runs: it answered, not a program before it on its port.
                     if probe.result() and process.poll() is None:
                         return
                     probe = None
                 now = time.monotonic()
                 if probe is None and now >= next_probe:
-                    probe = asyncio.create_task(self._answers_health(handle.url))
+                    probe = asyncio.create_task(
+                        answers_as(self.client, handle.url, handle.served_model, HEALTH_TIMEOUT_S))
                     next_probe = now + HEALTH_POLL_S
                 if now > deadline:
                     raise WorkerError(await self._start_failure(
@@ -272,13 +278,6 @@ class LocalServers:
         finally:
             if probe is not None:
                 probe.cancel()
-
-    async def _answers_health(self, url: str) -> bool:
-        try:
-            response = await self.client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
 
     async def _start_failure(self, handle: WorkerHandle, what: str) -> str:
         """The message of a start that failed: its root cause from the log first."""

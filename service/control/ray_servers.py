@@ -45,7 +45,13 @@ from service.control.cpu_binding import parse_binding_log
 from service.control.energy import EnergyMeter, result_of
 from service.control.handles import WorkerError, WorkerHandle, add_worker_row
 from service.control.ray_server_host import ServerHost
-from service.control.vllm_cli import kv_capacity, model_vocab_size, served_max_model_len, worker_argv
+from service.control.vllm_cli import (
+    answers_as,
+    kv_capacity,
+    model_vocab_size,
+    served_max_model_len,
+    worker_argv,
+)
 from service.core.ids import new_id, utcnow
 from service.core.shapes import ensure_bundled, is_bundled
 from service.core.spec import RunSpec
@@ -364,10 +370,9 @@ class RayServers:
                 tail = await asyncio.to_thread(process.tail)
                 raise WorkerError(f"vLLM server exited with code {code} before it became healthy"
                                   f"{handle.ended_why()}; last log lines:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                response = await self.client.get(f"{handle.url}/health", timeout=2.0)
-                if response.status_code == 200:
-                    return
+            # The server itself, not another program on its port (``answers_as``).
+            if await answers_as(self.client, handle.url, handle.served_model, 2.0) and process.poll() is None:
+                return
             if time.monotonic() > deadline:
                 tail = await asyncio.to_thread(process.tail)
                 where = (handle.node or {}).get("address")

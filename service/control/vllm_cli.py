@@ -180,6 +180,21 @@ def _card_max_model_len(listed: Any, served_model: str) -> int | None:
     return None
 
 
+async def answers_as(client: httpx.AsyncClient, url: str, served_model: str, timeout: float) -> bool:
+    """True if ``url`` answers ``/health`` with 200 and its ``/v1/models`` lists ``served_model``:
+    the server started there, not another program on its port. vLLM binds its port at once
+    but listens only once its engine is up, tens of seconds later; another program can
+    listen there in between (both binding with ``SO_REUSEADDR``), and its ``/health`` would
+    pass for the server's. That server then fails to listen and exits, saying why."""
+    try:
+        if (await client.get(f"{url}/health", timeout=timeout)).status_code != 200:
+            return False
+        listed = (await client.get(f"{url}/v1/models", timeout=timeout)).json()
+        return any(card["id"] == served_model for card in listed["data"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+
+
 async def served_max_model_len(client: httpx.AsyncClient, url: str, served_model: str) -> int | None:
     """The longest sequence a server takes, as its ``/v1/models`` says (for a server started
     with ``--max-model-len -1``, what vLLM fitted to its KV cache memory); None if it does
