@@ -61,10 +61,15 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
             assert run["status"] == "succeeded" and run["capacity_id"] == search_id
             assert (run["spec"]["max_concurrency"], run["spec"]["input_len"]) == (c, 1024)
             assert run["connector"]["filled_requests"] == run["spec"]["num_prompts"]
-    # Four streams batched make more tokens per server than one (per stream, the tiny
-    # model on a CPU is too noisy to order).
-    servers = [probes[c]["tokens_per_s_per_server"]["value"] for c in (1, 4)]
-    assert servers[1] > servers[0]
+    # A server's tokens per second are its streams' (each at the per-user rate), interval
+    # and all. (Not that four streams batched make more than one: on a CI machine of 2
+    # cores busy with 4 test workers, one run at 4 once made 403 against 462 at 1: how
+    # throughput grows with the batch is for a benchmark on a quiet machine to measure.)
+    for c, probe in probes.items():
+        user, server = probe["tokens_per_s_per_user"], probe["tokens_per_s_per_server"]
+        assert user["value"] > 0 and server["confidence"] == user["confidence"]
+        assert server["value"] == pytest.approx(c * user["value"])
+        assert server["ci"] == pytest.approx([c * end for end in user["ci"]])
     ratio = context["decode_servers_per_prefill_server"]
     assert ratio["prefill_requests_per_s"] == pytest.approx(10)
     assert ratio["ratio"]["ci"][0] <= ratio["ratio"]["value"] <= ratio["ratio"]["ci"][1]
