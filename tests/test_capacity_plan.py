@@ -21,6 +21,7 @@ from service.analysis.capacity import (
     max_probes,
     next_step,
     plan_for,
+    planner_words,
     servers_ratio,
 )
 from service.analysis.intervals import Interval
@@ -62,8 +63,9 @@ def test_a_probe_is_judged_by_its_interval_and_at_the_cap_by_its_point(
 # --- the search's moves ----------------------------------------------------------------
 
 
-def test_it_starts_at_one_and_doubles_while_probes_pass() -> None:
-    assert step().queue == (1,)
+def test_it_starts_at_one_with_two_trials_and_doubles_while_probes_pass() -> None:
+    # The first probe's trials together: the drift between runs is measured at once.
+    assert step().queue == (1, 1)
     assert step(decided(1, 10)).queue == (2,)
     assert step(decided(1, 10), decided(2, 20)).queue == (4,)
     assert step(decided(1, 10), decided(2, 20), decided(4, 30)).queue == (8,)
@@ -184,6 +186,8 @@ def test_the_plan_gives_each_look_its_share_of_five_percent() -> None:
     plan = plan_for(1024)
     assert max_probes(1024) == 20 and plan.looks == 20 * TRIAL_CAP
     assert plan.per_look == pytest.approx(1 - 0.05 / 60)
+    # The plan says how its looks hold: Bonferroni, each carrying the drift between runs.
+    assert "Bonferroni" in plan.as_dict()["method"] and "drift" in plan.as_dict()["method"]
     assert plan_for(64).looks == 12 * TRIAL_CAP
 
 
@@ -252,20 +256,39 @@ def test_a_steep_figure_is_decided_exactly_by_intervals() -> None:
     assert np.mean([s.surely == (11, 11) and not s.by_point_estimate for s, _, _ in runs]) >= 0.9
 
 
-def test_decode_servers_per_prefill_server_is_p_over_d_with_the_rates_interval() -> None:
-    # 10,000 prefill tokens/s at 1000 tokens: P = 10 req/s. 5 streams of 100 tokens, each
-    # 20 tokens/s [16, 25] (TPOT 50 ms [40, 62.5]): D = 5 x 20 / 100 = 1 req/s [0.8, 1.25].
-    found = servers_ratio(10_000, 1000, 100, 5, Interval(20.0, 16.0, 25.0))
+def test_decode_servers_per_prefill_server_is_p_over_d_from_the_mean_tpot_over_trials() -> None:
+    # 10,000 prefill tokens/s at 1000 tokens: P = 10 req/s. 5 streams of 100 tokens whose
+    # trials' mean TPOTs are 45, 50 and 55 ms: D = 5 / (100 x 0.05) = 1 req/s.
+    found = servers_ratio(10_000, 1000, 100, 5, [0.045, 0.050, 0.055])
     assert found is not None
     assert found.prefill_requests_per_s == pytest.approx(10)
-    assert (found.tpot_s.value, found.tpot_s.lo, found.tpot_s.hi) == pytest.approx((0.05, 0.04, 0.0625))
-    d = found.decode_requests_per_s
-    assert (d.value, d.lo, d.hi) == pytest.approx((1.0, 0.8, 1.25))
-    # A slower decode server needs more of them: the ratio's interval turns D's over.
-    assert (found.ratio.value, found.ratio.lo, found.ratio.hi) == pytest.approx((10, 8, 12.5))
-    # No boundary (nothing passed) or no rate: no ratio.
-    assert servers_ratio(10_000, 1000, 100, 0, Interval(20.0, 16.0, 25.0)) is None
-    assert servers_ratio(10_000, 1000, 100, 5, Interval(20.0, 0.0, 25.0)) is None
+    t = stats.t.ppf(0.975, 2) * 0.005 / math.sqrt(3)
+    assert (found.tpot_s.mean, found.tpot_s.lo, found.tpot_s.hi) == pytest.approx((0.05, 0.05 - t, 0.05 + t))
+    assert found.decode_requests_per_s == pytest.approx(1.0)
+    d_lo, d_hi = found.decode_requests_per_s_range
+    assert (d_lo, d_hi) == pytest.approx((5 / (100 * (0.05 + t)), 5 / (100 * (0.05 - t))))
+    # A slower decode server needs more of them: the ratio's range turns D's over.
+    assert found.ratio == pytest.approx(10)
+    assert found.ratio_range == pytest.approx((10 / d_hi, 10 / d_lo))
+    assert found.sentence().startswith("10 decode servers per prefill server (between ")
+    # The boundary's own range carries into D: C_max in [4, 6].
+    wide = servers_ratio(10_000, 1000, 100, 5, [0.045, 0.050, 0.055], (4, 6))
+    assert wide is not None
+    assert wide.decode_requests_per_s_range == pytest.approx((4 / 5 * d_lo, 6 / 5 * d_hi))
+    # A measured P whose highest rate passed is open at the top: "at least".
+    open_top = servers_ratio(1_000, 1000, 100, 5, [0.045, 0.050, 0.055], measured=True)
+    assert open_top is not None and open_top.ratio_range[1] is None
+    assert open_top.sentence() == ("1 decode server per prefill server (at least 1 decode server per "
+                                   f"{1 / open_top.ratio_range[0]:.3g} prefill servers)")
+    # No boundary (nothing passed) or no TPOT: no ratio.
+    assert servers_ratio(10_000, 1000, 100, 0, [0.05]) is None
+    assert servers_ratio(10_000, 1000, 100, 5, []) is None
+
+
+def test_the_planners_words_say_one_decode_server_per_n_prefill_servers() -> None:
+    assert planner_words(0.0625) == "1 decode server per 16 prefill servers"
+    assert planner_words(1.0) == "1 decode server per prefill server"
+    assert planner_words(3.2) == "3.2 decode servers per prefill server"
 
 
 # --- the prefill side's rate search ----------------------------------------------------------

@@ -55,9 +55,11 @@ def test_capacity_prints_a_line_per_probe_and_the_table_with_the_ratio(stub_serv
                      f"{per_server['value']:.1f} [{per_server['ci'][0]:.1f}, {per_server['ci'][1]:.1f}]",
                      str(context["runs"]), f"{context['wall_s']:.0f}"]
     # Decode servers per prefill server: P = 800 / 8 = 100 req/s over D at the boundary.
-    ratio = context["decode_servers_per_prefill_server"]["ratio"]
-    assert f"{ratio['value']:.2f} [{ratio['ci'][0]:.2f}, {ratio['ci'][1]:.2f}]" in done.stdout
+    ratio = context["decode_servers_per_prefill_server"]
+    low, high = ratio["ratio_range"]
+    assert f"{ratio['ratio']:.3g} [{low:.3g}, {high:.3g}]" in done.stdout
     assert "decode servers per prefill server" in done.stdout and " 100 " in done.stdout
+    assert f"input_len 8: {ratio['sentence']}; {ratio['holds_if']}" in " ".join(done.stdout.split())
     assert "input_len 8: largest concurrency with decode_median_itl_ms <= 35 ms" in done.stdout
 
 
@@ -68,7 +70,8 @@ def test_capacity_prints_a_line_per_prefill_rate_while_measuring_the_prefill_sid
     service = stub_service({**SLOPED, "STUB_PREFILL_S_PER_TOKEN": "0.0025"})
     done = cli(service.control_url, "capacity", "--input-len", "64", "--output-len", "8", "--sla-metric",
                "decode_median_itl_ms", "--sla-max-ms", "35", "--max-concurrency", "2", "--burstiness", "100",
-               "--prefill-ttft-p99-max-ms", "600", "--prefill-start-rate", "2", "--prefill-num-prompts", "12",
+               "--prefill-ttft-p99-max-ms", "600", "--prefill-start-rate", "2", "--prefill-duration-s", "3",
+               "--prefill-min-prompts", "12",
                timeout=300, env={**os.environ, "COLUMNS": "250"})
     assert done.returncode == 0, done.stdout + done.stderr
     search_id = done.stderr.split("capacity search ")[1].split()[0]
@@ -82,8 +85,9 @@ def test_capacity_prints_a_line_per_prefill_rate_while_measuring_the_prefill_sid
     for probe in prefill["probes"]:
         lo, hi = probe["ci_ms"]
         trials = probe["trials"]
+        top = "open" if hi is None else f"{hi:.2f}"
         assert (f"input_len=64 prefill rate={probe['request_rate']:g}/s: {probe['verdict']}, p99 TTFT "
-                f"{probe['p99_ttft_ms']:.2f} ms [{lo:.2f}, {hi:.2f}] against 600 ms over {trials} "
+                f"{probe['p99_ttft_ms']:.2f} ms [{lo:.2f}, {top}] against 600 ms over {trials} "
                 f"run{'s' * (trials != 1)}, by the {probe['decided_by']}") in lines
     assert {p["verdict"] for p in prefill["probes"]} == {"pass", "fail"}
     assert f"input_len=64 prefill: decided after {prefill['runs']} runs" in done.stderr

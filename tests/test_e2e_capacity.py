@@ -19,8 +19,12 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 # A limit the tiny model on a CPU keeps at every concurrency up to 4: the search brackets
-# 1, 2, 4, stops at the asked bound and gives the boundary its second trial.
+# 1, 2, 4, stops at the asked bound and gives the boundary its second trial. On the median
+# ITL: a p99 limit is judged by attainment over engine steps, and the few hundred steps of
+# these short runs cannot show 99% at the plan's confidence (its verdicts would be by point
+# estimate: ``tests/test_capacity_units.py``).
 SLA_MS = 5000
+SLA_METRIC = "decode_median_itl_ms"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,7 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
     done = subprocess.run(
         [sys.executable, "-m", "service.cli", "--url", str(service.base_url), "--token", API_TOKEN,
          "capacity", "--model", TINY_MODEL_NAME, "--input-len", "1024", "--output-len", "16",
-         "--sla-metric", "decode_p99_itl_ms", "--sla-max-ms", str(SLA_MS), "--max-concurrency", "4",
+         "--sla-metric", SLA_METRIC, "--sla-max-ms", str(SLA_MS), "--max-concurrency", "4",
          "--max-runs", "8", "--prefill-tokens-per-s", "10240"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "250"})
     assert done.returncode == 0, done.stdout + done.stderr
@@ -49,6 +53,7 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
     assert set(probes) == {1, 2, 4}
     assert all(p["verdict"] == "pass" and p["decided_by"] == "interval" for p in probes.values())
     assert probes[4]["trials"] >= 2  # the boundary's second trial
+    assert probes[1]["trials"] >= 2  # the first probe's two, queued together
     for p in probes.values():
         assert 0 < p["ci_ms"][0] <= p["figure_ms"] <= p["ci_ms"][1] <= SLA_MS
     # Every run it counts is a probe run of this search that succeeded at its concurrency,
@@ -72,13 +77,14 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
         assert server["ci"] == pytest.approx([c * end for end in user["ci"]])
     ratio = context["decode_servers_per_prefill_server"]
     assert ratio["prefill_requests_per_s"] == pytest.approx(10)
-    assert ratio["ratio"]["ci"][0] <= ratio["ratio"]["value"] <= ratio["ratio"]["ci"][1]
+    assert ratio["ratio_range"][0] <= ratio["ratio"] <= ratio["ratio_range"][1]
 
     # What the user read: a line per probe, the table, the answer in a sentence.
-    assert "input_len=1024 concurrency=4: pass, decode_p99_itl_ms" in done.stderr
+    assert f"input_len=1024 concurrency=4: pass, {SLA_METRIC}" in done.stderr
     row = next(line for line in done.stdout.splitlines() if line.lstrip("│ ").startswith("1024 "))
     cells = [c.strip() for c in row.strip("│ ").split("│")]
-    assert cells[:6] == ["1024", "4", "[4, 4]", "-", "max_concurrency", "95%"]
+    assert cells[:6] == ["1024", ">= 4", "[4, open)", "-", "max_concurrency", "95%"]
     assert cells[8] == str(context["runs"])
-    assert (f"input_len 1024: largest concurrency with decode_p99_itl_ms <= {SLA_MS} ms at "
-            "input_len 1024: 4 (bound reached: max_concurrency 4 (asked))") in done.stdout
+    assert (f"input_len 1024: largest concurrency with {SLA_METRIC} <= {SLA_MS} ms at "
+            "input_len 1024: at least 4 (the highest asked, max_concurrency 4 (asked), passed; higher "
+            "was not probed)") in " ".join(done.stdout.split())

@@ -413,7 +413,7 @@ def test_capacity_page_draws_the_sla_curve_and_the_frontier_and_exports_its_prob
     # Decode servers per prefill server, with its formula's inputs.
     ratio = client.get(f"/api/capacity/{search_id}", params={"prefill_tokens_per_s": 800}).json()[
         "contexts"][0]["decode_servers_per_prefill_server"]
-    assert f"Decode servers per prefill server: {ratio['ratio']['value']:.3g}" in text
+    assert f"Decode servers per prefill server: {ratio['sentence']}" in text
     assert "P = 800 prefill tok/s / 8 tokens = 100 requests/s" in text
 
     exported = client.get(f"/api/capacity/{search_id}/export", params={"format": "csv"})

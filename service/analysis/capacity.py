@@ -3,8 +3,12 @@
 A *probe* at concurrency C is a fill run holding C streams in flight
 (``service.core.capacity.probe_spec``). Its *figure* is the SLA statistic (median or p99
 of decode ITL or TPOT) over the gaps during which all C requests were decoding (the
-steady decode window of ``service.analysis.metrics`` with ``min_decoding=C``), pooled over
-the probe's trials, with a bootstrap interval that resamples whole requests.
+steady decode window of ``service.analysis.metrics`` with ``min_decoding=C``), over
+independent units (``service.analysis.probe_units``): engine steps (ITL) or waves (TPOT)
+within a trial, and the trial itself for run-to-run drift, whose spread is pooled over the
+search's replicated probes. A median limit is judged by the typical run's figure with its
+t interval; a p99 limit by attainment, the share of units meeting it with an exact
+Clopper-Pearson bound.
 
 The search, per input length (``next_step``, a pure function of what the probes showed):
 
@@ -12,11 +16,16 @@ The search, per input length (``next_step``, a pure function of what the probes 
   asked ``max_concurrency``; what the server's KV cache holds at that length; its
   ``max_num_seqs``; a probe the server capped or refused, less one);
 - bisect between the last pass and the first fail to the integer boundary;
-- a probe's verdict comes from its interval: *pass* when it lies wholly at or under the
-  limit, *fail* when wholly over, else one more trial at C (pooled), up to ``TRIAL_CAP``
-  trials; at the cap the point estimate decides, and the answer says so;
+- the first probe gets ``FIRST_PROBE_TRIALS`` trials up front, queued together, so that
+  drift between runs is measured before any verdict;
+- a probe's verdict comes from its interval (a tail limit's: its attainment's): *pass*
+  when it lies wholly at or under the limit (at or above the target share), *fail* when
+  wholly over (under), else one more trial at C (pooled), up to ``TRIAL_CAP`` trials; at
+  the cap the point estimate decides, and the answer says so (for a tail limit, with the
+  units that would have decided);
 - the last pass and the first fail get ``BOUNDARY_TRIALS`` trials each at least, the
-  missing ones queued together, so drift between runs cannot decide the boundary alone.
+  missing ones queued together, so drift between runs cannot decide the boundary alone;
+  one whose trials disagree beyond their run intervals gets every trial the cap allows.
 
 Confidence. The search looks at an interval each time a probe's trials have all ended:
 at most ``TRIAL_CAP`` looks per probe, and, while no interval misses, at most
@@ -26,8 +35,11 @@ search starts, and each interval is taken at confidence 1 - 5%/K (Bonferroni): t
 that any interval the search takes misses its probe's true figure is at most 5%. When none
 misses, every verdict made by an interval is right, and with none made by a point estimate
 the boundary is the true one (for a figure that grows with concurrency): the stated 95%.
-A probe decided by its point estimate voids that statement; the answer names it.
-``tests/test_capacity_plan.py`` simulates searches to check both.
+A probe decided by its point estimate voids that statement; the answer names it. Each
+interval carries the drift between runs and treats only independent units as such
+(``service.analysis.probe_units``); a tail limit's interval is its attainment's.
+``tests/test_capacity_plan.py`` simulates the plan; ``tests/test_capacity_units.py`` and
+``tests/test_capacity_searches.py`` check the coverage on a lock-step stand-in engine.
 
 A probe whose server ran fewer than C requests at once (its ``max_num_seqs`` below C, or
 the run's ``queued_in_server`` / ``preempted`` warnings from the server's own metrics) is
@@ -46,8 +58,10 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.intervals import CONFIDENCE, Interval, pooled_quantile_ci
+from service.analysis.intervals import CONFIDENCE, Interval, Spread, across_trials, pooled_quantile_ci
+from service.analysis.probe_units import Drift, ProbeFigure, probe_figure, units_of
 from service.analysis.steady_window import steady_gaps
+from service.core.capacity import FIRST_PROBE_TRIALS
 from service.core.ids import utcnow
 from service.core.sample import Sample
 from service.core.spec import RunSpec
@@ -67,14 +81,9 @@ BY_INTERVAL, BY_POINT = "interval", "point estimate"
 # Warnings of a run that say the server did not hold the asked batch (``checks.server_warnings``).
 CAPPING_WARNINGS = ("queued_in_server", "preempted")
 
-# The statistic of each SLA metric: over what per request (its full-batch gaps, or their
-# mean, its TPOT) and which quantile.
-STATISTICS: dict[str, tuple[str, float]] = {
-    "decode_median_itl_ms": ("itl", 0.5),
-    "decode_p99_itl_ms": ("itl", 0.99),
-    "decode_median_tpot_ms": ("tpot", 0.5),
-    "decode_p99_tpot_ms": ("tpot", 0.99),
-}
+# How the search's confidence is planned, as the plan and every look say.
+PLAN_METHOD = ("Bonferroni over the planned looks; each look's interval carries run-to-run "
+               "drift (the trial is the unit across runs, engine steps or waves within one)")
 
 
 # --- the plan --------------------------------------------------------------------------
@@ -111,7 +120,7 @@ class Plan:
         return {"ceiling": self.ceiling, "trial_cap": self.trial_cap,
                 "boundary_trials": BOUNDARY_TRIALS, "looks": self.looks,
                 "per_look_confidence": self.per_look, "confidence": self.confidence,
-                "method": "Bonferroni over the planned looks"}
+                "method": PLAN_METHOD}
 
 
 def plan_for(ceiling: int, trial_cap: int = TRIAL_CAP) -> Plan:
@@ -137,13 +146,13 @@ def full_batch_values(trials: Iterable[Sequence[Sample]], concurrency: int, kind
 
 
 def sla_figure(trials: Iterable[Sequence[Sample]], metric: str, concurrency: int,
-               confidence: float) -> Interval | None:
-    """The SLA ``metric`` (ms) over the full-batch window of the trials, pooled, with its
-    bootstrap interval over requests at ``confidence``; None with under two requests
-    that have such gaps."""
-    kind, q = STATISTICS[metric]
-    found = pooled_quantile_ci(full_batch_values(trials, concurrency, kind), q, confidence)
-    return None if found is None else found.scaled(1000.0)
+               confidence: float, max_ms: float | None = None,
+               drift: Drift | None = None) -> ProbeFigure | None:
+    """The SLA ``metric`` (ms) of a probe over its trials' independent units at
+    ``confidence``, run-to-run ``drift`` pooled from the search's other probes carried in;
+    for a tail metric, its attainment of ``max_ms`` too (``probe_units.probe_figure``).
+    None without a trial that has full-batch gaps."""
+    return probe_figure(units_of(trials, concurrency, metric), metric, confidence, max_ms, drift)
 
 
 def per_user_rate(trials: Iterable[Sequence[Sample]], concurrency: int) -> Interval | None:
@@ -227,6 +236,12 @@ class Probe:
     last_error: str | None = None
     # A run of it cancelled on its own (not by the search's cancel): the run's id.
     cancelled: str | None = None
+    # A tail limit's attainment (the share of units meeting it, with its bounds at the
+    # look's confidence) and the share it must reach; None for a median limit.
+    attainment: Interval | None = None
+    target: float | None = None
+    # Its trials disagree beyond their run intervals (drift between runs).
+    drifts: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,17 +253,23 @@ class Judgement:
 
 
 def judge(probe: Probe, max_ms: float, trial_cap: int = TRIAL_CAP) -> Judgement:
-    """The verdict of a probe with trials: from its interval, or at ``trial_cap`` trials
-    from its point estimate."""
+    """The verdict of a probe with trials: from its interval (a tail limit's from its
+    attainment's bounds against the target share), or at ``trial_cap`` trials from its
+    point estimate."""
     figure = probe.figure
     if figure is None:
         return Judgement(UNMEASURED)
-    if figure.hi <= max_ms:
+    share, target = probe.attainment, probe.target
+    if share is not None and target is not None:
+        passes, fails, point = share.lo >= target, share.hi < target, share.value >= target
+    else:
+        passes, fails, point = figure.hi <= max_ms, figure.lo > max_ms, figure.value <= max_ms
+    if passes:
         return Judgement(PASS, BY_INTERVAL)
-    if figure.lo > max_ms:
+    if fails:
         return Judgement(FAIL, BY_INTERVAL)
     if probe.trials >= trial_cap:
-        return Judgement(PASS if figure.value <= max_ms else FAIL, BY_POINT)
+        return Judgement(PASS if point else FAIL, BY_POINT)
     return Judgement(UNDECIDED)
 
 
@@ -273,6 +294,8 @@ class Step:
     # every interval holding its true figure, the true boundary is in it.
     surely: tuple[int, int] = (0, 0)
     judged: Mapping[int, Judgement] = field(default_factory=dict)
+    # Probes whose trials disagree beyond their run intervals (drift between runs).
+    drifting: tuple[int, ...] = ()
 
 
 def next_step(probes: Mapping[int, Probe], max_ms: float, bounds: Sequence[Bound],
@@ -296,7 +319,8 @@ def next_step(probes: Mapping[int, Probe], max_ms: float, bounds: Sequence[Bound
     below = min(sure_fails) - 1 if sure_fails else bound.value
     above = max((c for c, j in judged.items()
                  if j.verdict == PASS and j.by == BY_INTERVAL and c <= below), default=0)
-    known = Step(last_pass, first_fail, bound, judged=judged, surely=(above, below))
+    drifting = tuple(sorted(c for c in judged if probes[c].drifts))
+    known = Step(last_pass, first_fail, bound, judged=judged, surely=(above, below), drifting=drifting)
     if any(p.pending for p in probes.values()):
         return replace(known, wait=True)
     for c, p in sorted(probes.items()):
@@ -317,11 +341,18 @@ def next_step(probes: Mapping[int, Probe], max_ms: float, bounds: Sequence[Bound
         return replace(known, queue=(open_[0],))
     if last_pass < ceiling:
         if first_fail is None:
+            if not probes:
+                # The first probe's trials together: the spread between runs is known
+                # before the first verdict (``probe_units``), and no later probe waits for it.
+                return replace(known, queue=(1,) * FIRST_PROBE_TRIALS)
             upward = 1 if last_pass == 0 else min(2 * last_pass, bound.value)
             return replace(known, queue=(upward,))
         return replace(known, queue=((last_pass + first_fail) // 2,))
+    # A boundary probe whose trials disagree beyond their run intervals gets every trial the
+    # cap allows: its verdict rests on the drift as much as on the figure.
     short = tuple(c for c in (last_pass, first_fail)
-                  if c is not None and c in judged and probes[c].trials < BOUNDARY_TRIALS)
+                  if c is not None and c in judged
+                  and probes[c].trials < (trial_cap if probes[c].drifts else BOUNDARY_TRIALS))
     if short:
         return replace(known, queue=short)
     points = tuple(sorted(c for c, j in judged.items() if j.by == BY_POINT))
@@ -388,23 +419,53 @@ def probe_runs(runs: Iterable[Run]) -> dict[int, dict[int, ProbeRuns]]:
     return out
 
 
+def _finite(x: float) -> float | None:
+    # JSON has no infinity: an end nothing bounds yet is stored as null.
+    return x if math.isfinite(x) else None
+
+
 def take_look(trials: Sequence[Sequence[Sample]], run_ids: Sequence[str], metric: str,
-              concurrency: int, per_look: float) -> dict[str, Any]:
+              concurrency: int, per_look: float, max_ms: float | None = None,
+              drift: Drift | None = None) -> dict[str, Any]:
     """A probe's look over its succeeded trials, as the search stores it: the runs, the
-    SLA figure (ms) with its interval at ``per_look`` and the per-stream decode rate
-    (tokens/s) with its 95% interval. CPU work: called in a thread."""
-    figure = sla_figure(trials, metric, concurrency, per_look)
+    SLA figure (ms) with its interval at ``per_look`` (run-to-run ``drift`` pooled from the
+    search's other looks carried in, ``probe_units.drift_from_looks``), a tail limit's
+    attainment of ``max_ms``, what they rest on (units, trial levels, the drift, the
+    method) and the per-stream decode rate (tokens/s) with its 95% interval. CPU work:
+    called in a thread."""
+    found = sla_figure(trials, metric, concurrency, per_look, max_ms, drift)
     rate = per_user_rate(trials, concurrency)
-    return {"runs": list(run_ids),
-            "figure": None if figure is None else [figure.value, figure.lo, figure.hi],
-            "confidence": per_look,
-            "per_user": None if rate is None else [rate.value, rate.lo, rate.hi]}
+    look: dict[str, Any] = {
+        "runs": list(run_ids), "figure": None, "confidence": per_look,
+        "per_user": None if rate is None else [rate.value, rate.lo, rate.hi]}
+    if found is None:
+        return look
+    figure, share = found.figure, found.attainment
+    return {**look,
+            "figure": [figure.value, _finite(figure.lo), _finite(figure.hi)],
+            "method": found.method, "units": found.units,
+            "levels": list(found.levels), "within": list(found.within),
+            "drift_sd": _finite(found.sd), "drift_df": found.drift.df,
+            "disagreement_p": found.disagreement_p, "drifts": found.drifts,
+            "attainment": None if share is None else [share.value, share.lo, share.hi],
+            "target": found.target, "units_needed": found.needed}
 
 
-def _interval(stored: Sequence[float] | None, confidence: float) -> Interval | None:
+def _interval(stored: Sequence[float | None] | None, confidence: float) -> Interval | None:
     if stored is None:
         return None
-    return Interval(float(stored[0]), float(stored[1]), float(stored[2]), confidence)
+    value, lo, hi = stored
+    return Interval(float(value or 0.0), -math.inf if lo is None else float(lo),
+                    math.inf if hi is None else float(hi), confidence)
+
+
+def look_state(concurrency: int, look: Mapping[str, Any]) -> Probe:
+    """What a probe's stored look says: its trials, figure, attainment and drift."""
+    confidence = float(look["confidence"])
+    return Probe(concurrency=concurrency, trials=len(look["runs"]),
+                 figure=_interval(look.get("figure"), confidence),
+                 attainment=_interval(look.get("attainment"), confidence),
+                 target=look.get("target"), drifts=bool(look.get("drifts")))
 
 
 def probe_state(p: ProbeRuns, looks: Mapping[str, Any], cancelled_by_search: bool) -> Probe:
@@ -418,11 +479,9 @@ def probe_state(p: ProbeRuns, looks: Mapping[str, Any], cancelled_by_search: boo
     pending = len(p.unfinished())
     if ids and not looked and capped is None:
         pending += 1
-    return Probe(
-        concurrency=p.concurrency,
-        trials=len(ids) if looked else 0,
-        figure=_interval(look.get("figure"), float(look["confidence"])) if looked and look else None,
-        pending=pending, capped=capped, refused=p.refused(), failed=len(failed),
+    seen = look_state(p.concurrency, look) if looked and look else Probe(p.concurrency)
+    return replace(
+        seen, pending=pending, capped=capped, refused=p.refused(), failed=len(failed),
         last_error=failed[-1].error if failed else None,
         cancelled=None if cancelled_by_search else cancelled)
 
@@ -444,6 +503,8 @@ class Context:
     # Why it stopped undecided (the budget spent, a probe that could not be run), once it did.
     ended: str | None = None
     per_user: Interval | None = None
+    # The mean TPOT (s) of each succeeded trial at the boundary (``boundary_tpots``).
+    tpot_trials: list[float] = field(default_factory=list)
 
     @property
     def decided(self) -> bool:
@@ -467,20 +528,50 @@ def _probe_view(p: ProbeRuns, state: Probe, judgement: Judgement | None,
     figure = state.figure
     if figure is None and look is not None and look.get("figure") is not None:
         figure = _interval(look["figure"], float(look["confidence"]))  # the latest look, while another runs
+    bounded = figure is not None and math.isfinite(figure.lo) and math.isfinite(figure.hi)
+    seen: Mapping[str, Any] = look or {}
+    decided_by = judgement.by if judgement is not None and state.pending == 0 else None
     return {
         "concurrency": p.concurrency,
         "trials": len(p.succeeded()),
         "run_ids": [r.id for r in p.runs],
         "group_id": p.runs[0].group_id if p.runs else None,
         "figure_ms": None if figure is None else figure.value,
-        "ci_ms": None if figure is None else [figure.lo, figure.hi],
+        "ci_ms": [figure.lo, figure.hi] if figure is not None and bounded else None,
         "confidence": None if figure is None else figure.confidence,
         "verdict": verdict,
-        "decided_by": judgement.by if judgement is not None and state.pending == 0 else None,
+        "decided_by": decided_by,
         "capped": state.capped,
         "refused": state.refused,
-        "per_user": None if look is None else look.get("per_user"),
+        "per_user": seen.get("per_user"),
+        "method": seen.get("method"),
+        "units": seen.get("units"),
+        "attainment": seen.get("attainment"),
+        "attainment_target": seen.get("target"),
+        "units_needed": seen.get("units_needed"),
+        "notes": _notes(seen, decided_by, verdict),
     }
+
+
+def _notes(look: Mapping[str, Any], decided_by: str | None, verdict: str) -> list[str]:
+    """What a reader of a probe must know beside its figure: drift between its trials, an
+    interval nothing bounds yet, a tail verdict too few units could decide."""
+    notes = []
+    sd, p = look.get("drift_sd"), look.get("disagreement_p")
+    if look.get("drifts"):
+        notes.append(f"its trials disagree beyond their run intervals (p = {p:.2g}): runs drift; "
+                     f"the interval carries a spread between runs of {math.expm1(sd or 0.0):.0%} "
+                     "(pooled over the search's probes, and this one's)")
+    figure = look.get("figure")
+    if figure is not None and (figure[1] is None or figure[2] is None) and not look.get("drift_df"):
+        notes.append("no interval yet: no probe has two trials to measure the drift between runs")
+    needed, units, target = look.get("units_needed"), look.get("units"), look.get("target")
+    if needed is not None and units is not None and target is not None and (
+            decided_by == BY_POINT or verdict == UNDECIDED):
+        notes.append(f"{units} independent units; showing at least {target:.0%} of them meet the "
+                     f"limit at {float(look['confidence']):.2%} takes {needed} or more, all meeting "
+                     f"it{': the verdict is by point estimate' if decided_by == BY_POINT else ''}")
+    return notes
 
 
 def wall_s(runs: Sequence[Run], now: datetime) -> float | None:
@@ -517,6 +608,7 @@ def assess(input_lens: Sequence[int], max_ms: float, ceiling: Bound, runs: Seque
         if step.last_pass and step.last_pass in probes:
             look = looks.get(look_key(length, step.last_pass)) or {}
             context.per_user = _interval(look.get("per_user"), CONFIDENCE)
+            context.tpot_trials = boundary_tpots(probes[step.last_pass].runs, step.last_pass)
         out.append(context)
     return out
 
@@ -525,53 +617,107 @@ def assess(input_lens: Sequence[int], max_ms: float, ceiling: Bound, runs: Seque
 class ServersRatio:
     """Decode servers per prefill server at one input length, with its inputs:
 
-    - a prefill server admits P = prefill tokens/s / input_len requests/s;
-    - a decode server finishes D = C_max / (output_len x TPOT at C_max) requests/s;
+    - a prefill server admits P = prefill tokens/s / input_len requests/s: given (exact),
+      or measured, a bracket from the last passing rate to the first failing one (open at
+      the top, ``prefill_requests_per_s_hi`` None, where the highest rate asked passed);
+    - a decode server finishes D = C_max / (output_len x mean TPOT at C_max) requests/s:
+      request throughput needs the mean TPOT (the median would not do), taken per trial of
+      the boundary's probe, with a 95% Student-t interval over those trials;
     - so P / D decode servers keep up with one prefill server.
 
-    The prefill rate is given (exact: ``prefill_tokens_per_s_hi`` equals it) or measured
-    (a bracket: from the last passing rate to the first failing one); the ratio's interval
-    runs from the bracket's bottom over D's top to its top over D's bottom.
+    Its range carries every input's own: P's bracket, D's interval over trials and C_max's
+    range (``concurrency_range``, the search's): D's bottom is C_max's bottom over the TPOT
+    interval's top, its top C_max's top over the TPOT's bottom (a TPOT that grows with
+    concurrency makes both ends wider than the truth, never narrower). It holds when the
+    P bracket and C_max's range are right and D's interval holds: no single probability
+    is stated for it (``confidence`` is None).
     """
 
-    prefill_tokens_per_s: float
-    prefill_tokens_per_s_hi: float
+    prefill_requests_per_s: float
+    prefill_requests_per_s_hi: float | None
     measured: bool
     input_len: int
     output_len: int
     max_concurrency: int
-    # The median full-batch TPOT at C_max (s), and D and P / D, with 95% intervals.
-    tpot_s: Interval
-    decode_requests_per_s: Interval
-    ratio: Interval
+    concurrency_range: tuple[int, int]
+    # The mean TPOT at C_max (s) with its 95% interval over trials; NaN ends with one trial.
+    tpot_s: Spread
+    decode_requests_per_s: float
+    decode_requests_per_s_range: tuple[float, float | None]
+    ratio: float
+    ratio_range: tuple[float, float | None]
 
     @property
-    def prefill_requests_per_s(self) -> float:
-        """P (at the bottom of a measured bracket)."""
-        return self.prefill_tokens_per_s / self.input_len
+    def prefill_tokens_per_s(self) -> float:
+        """P in tokens/s (at the bottom of a measured bracket)."""
+        return self.prefill_requests_per_s * self.input_len
 
     @property
-    def prefill_requests_per_s_hi(self) -> float:
-        """P at the top of a measured bracket (P itself when given)."""
-        return self.prefill_tokens_per_s_hi / self.input_len
+    def prefill_tokens_per_s_hi(self) -> float | None:
+        """P's top in tokens/s (P itself when given; None when open)."""
+        hi = self.prefill_requests_per_s_hi
+        return None if hi is None else hi * self.input_len
+
+    def sentence(self) -> str:
+        """The answer in a planner's words: '1 decode server per 16 prefill servers
+        (between 1 per 20 and 1 per 12)'."""
+        lo, hi = self.ratio_range
+        between = (f"at least {planner_words(lo)}" if hi is None
+                   else f"between {planner_words(lo)} and {planner_words(hi)}")
+        return f"{planner_words(self.ratio)} ({between})"
+
+
+def planner_words(ratio: float) -> str:
+    """Decode servers per prefill server as a planner reads it: '3.2 decode servers per
+    prefill server', or under one, '1 decode server per 16 prefill servers'."""
+    if ratio <= 0:
+        return "no decode server"
+    if ratio >= 1:
+        return f"{ratio:.3g} decode server{'s' if ratio != 1 else ''} per prefill server"
+    return f"1 decode server per {1 / ratio:.3g} prefill servers"
 
 
 def servers_ratio(prefill_tokens_per_s: float, input_len: int, output_len: int, max_concurrency: int,
-                  per_user: Interval, prefill_tokens_per_s_hi: float | None = None) -> ServersRatio | None:
-    """P / D from the prefill rate (given, or measured up to ``prefill_tokens_per_s_hi``) and
-    the boundary's per-stream decode rate (1 / its median TPOT); None without a boundary (no
-    probe passed) or a positive rate."""
-    if max_concurrency < 1 or per_user.lo <= 0:
+                  tpot_trials_s: Sequence[float], concurrency_range: tuple[int, int] | None = None,
+                  prefill_tokens_per_s_hi: float | None = None, measured: bool = False,
+                  prefill_range: tuple[float, float | None] | None = None) -> ServersRatio | None:
+    """P / D from the prefill rate (given; or ``measured`` up to ``prefill_tokens_per_s_hi``,
+    None for an open top) and the mean TPOT (s) of each trial at the boundary; None without
+    a boundary (no probe passed) or a positive TPOT. ``prefill_range`` (tokens/s): where a
+    measured P lies by the verdicts that carry a confidence (``prefill_rate.sure_bracket``),
+    which the ratio's range carries instead of the bracket of point verdicts."""
+    tpot = across_trials(tpot_trials_s)
+    if max_concurrency < 1 or tpot is None or tpot.mean <= 0:
         return None
+    c_lo, c_hi = concurrency_range or (max_concurrency, max_concurrency)
     p = prefill_tokens_per_s / input_len
-    p_hi = (prefill_tokens_per_s_hi or prefill_tokens_per_s) / input_len
-    # D = C / (output_len x TPOT) = C x (1 / TPOT) / output_len: it moves with the rate, so
-    # the rate's interval carries over, end to end (and turns over for 1 / D).
-    d = per_user.scaled(max_concurrency / output_len)
-    tpot = Interval(1.0 / per_user.value, 1.0 / per_user.hi, 1.0 / per_user.lo, per_user.confidence)
-    ratio = Interval(p / d.value, p / d.hi, p_hi / d.lo, per_user.confidence)
-    return ServersRatio(prefill_tokens_per_s, p_hi * input_len, prefill_tokens_per_s_hi is not None,
-                        input_len, output_len, max_concurrency, tpot, d, ratio)
+    p_hi = (None if measured and prefill_tokens_per_s_hi is None
+            else (prefill_tokens_per_s_hi or prefill_tokens_per_s) / input_len)
+    d = max_concurrency / (output_len * tpot.mean)
+    # With one trial the TPOT has no interval: its value stands for both ends (said so).
+    t_lo = tpot.lo if math.isfinite(tpot.lo) and tpot.lo > 0 else tpot.mean
+    t_hi = tpot.hi if math.isfinite(tpot.hi) else tpot.mean
+    d_lo = c_lo / (output_len * t_hi)
+    d_hi = c_hi / (output_len * t_lo)
+    r_lo, r_hi = (p, p_hi) if prefill_range is None else (
+        prefill_range[0] / input_len, None if prefill_range[1] is None else prefill_range[1] / input_len)
+    ratio_lo = r_lo / d_hi
+    ratio_hi = None if r_hi is None or d_lo <= 0 else r_hi / d_lo
+    return ServersRatio(p, p_hi, measured, input_len, output_len, max_concurrency, (c_lo, c_hi), tpot,
+                        d, (d_lo, d_hi), p / d, (ratio_lo, ratio_hi))
+
+
+def boundary_tpots(runs: Sequence[Run], concurrency: int) -> list[float]:
+    """The mean TPOT (s) of each succeeded trial of the probe at ``concurrency``, from its
+    summary (vLLM's ``mean_tpot_ms``: per request (latency - TTFT) / (tokens - 1))."""
+    out = []
+    for run in runs:
+        if run.status != RunStatus.succeeded.value or run.spec.get("max_concurrency") != concurrency:
+            continue
+        mean = (run.summary or {}).get("mean_tpot_ms")
+        if isinstance(mean, int | float) and mean > 0:
+            out.append(float(mean) / 1000)
+    return out
 
 
 def ceiling_bound(max_concurrency: int | None, ceiling: int) -> Bound:

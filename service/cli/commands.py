@@ -414,8 +414,11 @@ def _point_text(point: Any) -> str:
               help="The measured prefill side's first request rate (default 1/s), doubled from there.")
 @click.option("--prefill-max-rate", type=click.FloatRange(0, min_open=True), default=None,
               help="The highest request rate the prefill side is measured at (default 1024/s).")
-@click.option("--prefill-num-prompts", type=click.IntRange(8), default=None,
-              help="Requests each prefill rate's run sends (default 32).")
+@click.option("--prefill-duration-s", type=click.FloatRange(1, 3600), default=None,
+              help="How long each prefill rate's run sends, rate x this many requests (default 60 s): "
+                   "long enough for a queue that grows to show in its TTFT.")
+@click.option("--prefill-min-prompts", type=click.IntRange(8), default=None,
+              help="Requests each prefill rate's run sends at least (default 100).")
 @click.option("--burstiness", type=click.FloatRange(0, min_open=True), default=None,
               help="The prefill runs' arrivals: 1 Poisson (the default), higher more regular.")
 @click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=None)
@@ -439,7 +442,8 @@ def capacity(ctx: click.Context, /, **values: Any) -> None:
     """Find, per input length, the largest concurrency one decode server holds under a latency
     limit (POST /api/capacity), with a line per probe as it is decided and a table at the end.
 
-    Ctrl-C cancels the search on the service. Exit status 1 when it did not succeed."""
+    Ctrl-C cancels the search on the service. Exit status 1 when it did not succeed, or when
+    it stayed active with every run ended for 5 minutes (no look advanced it)."""
     try:
         body = vllm_flags.capacity_body(values)
     except ValueError as error:
@@ -481,11 +485,20 @@ def _print_capacity(search: dict[str, Any]) -> None:
     for context in search["contexts"]:
         console.print(f"input_len {context['input_len']}: {context['statement']}", highlight=False,
                       markup=False, soft_wrap=True)
+        ratio = context.get("decode_servers_per_prefill_server")
+        if ratio:
+            console.print(f"input_len {context['input_len']}: {ratio['sentence']}; {ratio['holds_if']}",
+                          highlight=False, markup=False, soft_wrap=True)
         if context.get("error"):
             console.print(f"input_len {context['input_len']}: {context['error']}", highlight=False,
                           markup=False, soft_wrap=True)
     if search.get("error"):
         console.print(f"search: {search['error']}", highlight=False, markup=False, soft_wrap=True)
+    if search.get("ran_on"):
+        console.print(f"ran on: {search['ran_on']}", highlight=False, markup=False, soft_wrap=True)
+    for caveat in search.get("caveats") or []:
+        console.print(f"caveat ({caveat['code']}, {caveat['runs']} runs): {caveat['message']}",
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 # --- reading and managing what the service holds ----------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from service.cli.client import Client
+from service.cli.client import ApiError, Client
 
 # The statuses a run ends in.
 ENDED = ("succeeded", "failed", "cancelled", "imported")
@@ -142,11 +142,16 @@ def probe_line(input_len: int, probe: Mapping[str, Any], sla: Mapping[str, Any])
         return f"{head} ({probe['refused']})"
     if probe.get("figure_ms") is None:
         return head
-    lo, hi = probe["ci_ms"]
+    ci = probe.get("ci_ms")
+    interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else " (no interval yet)"
     by = f", by the {probe['decided_by']}" if probe.get("decided_by") else ""
-    return (f"{head}, {sla['metric']} {probe['figure_ms']:.2f} ms [{lo:.2f}, {hi:.2f}] against "
+    return (f"{head}, {sla['metric']} {probe['figure_ms']:.2f} ms{interval} against "
             f"{sla['max_ms']:g} ms over {probe['trials']} trial{'s' * (probe['trials'] != 1)}{by}")
 
+
+# How long a search may stay active with every one of its runs ended before its follow
+# gives up: a look queues the next runs, or ends the search, within seconds of a run's end.
+LOOK_WAIT_S = 300.0
 
 # A prefill rate's verdicts that end it.
 RATE_ENDS = ("pass", "fail", "undecided", "failed")
@@ -159,7 +164,7 @@ def rate_line(input_len: int, probe: Mapping[str, Any], max_ms: float) -> str:
     if probe.get("p99_ttft_ms") is None:
         return f"{head} (run {probe['run_id']} {probe['status']} without numbers)"
     ci = probe.get("ci_ms")
-    interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+    interval = (f" [{ci[0]:.2f}, {'open' if ci[1] is None else format(ci[1], '.2f')}]" if ci else "")
     trials = probe.get("trials", 1)
     by = f", by the {probe['decided_by']}" if probe.get("decided_by") else ""
     return (f"{head}, p99 TTFT {probe['p99_ttft_ms']:.2f} ms{interval} against {max_ms:g} ms over "
@@ -167,11 +172,15 @@ def rate_line(input_len: int, probe: Mapping[str, Any], max_ms: float) -> str:
 
 
 def follow_capacity(client: Client, search_id: str, console: Console,
-                    cancel: Callable[[], None] | None = None) -> dict[str, Any]:
+                    cancel: Callable[[], None] | None = None,
+                    look_wait_s: float = LOOK_WAIT_S) -> dict[str, Any]:
     """A line per probe each time one is decided and per prefill rate each time its run is
     judged (and per input length once its boundary, or its prefill rate, is), until the
-    search has ended; the search as it ended. Ctrl-C calls ``cancel``."""
+    search has ended; the search as it ended. Ctrl-C calls ``cancel``. An ``ApiError`` once
+    the search has stayed active with every run ended for ``look_wait_s``: no look advances it."""
     said: set[tuple[Any, ...]] = set()
+    ended_runs: set[str] = set()
+    idle_since: float | None = None
     try:
         while True:
             search = client.get(f"/api/capacity/{search_id}")
@@ -202,8 +211,34 @@ def follow_capacity(client: Client, search_id: str, console: Console,
                                   f"{context['runs']} runs", highlight=False, markup=False, soft_wrap=True)
             if search["status"] in SEARCH_ENDS:
                 return dict(search)
+            if not _all_runs_ended(client, search, ended_runs):
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > look_wait_s:
+                raise ApiError(
+                    f"capacity search {search_id} is still active, but every one of its {search['runs']} "
+                    f"runs has ended and no look has queued more or ended it for {look_wait_s:.0f} s: "
+                    f"its look may have failed (see the service's log). GET /api/capacity/{search_id} "
+                    f"shows where it stands; POST /api/capacity/{search_id}/cancel ends it")
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         if cancel is not None:
             cancel()
         raise
+
+
+def _all_runs_ended(client: Client, search: Mapping[str, Any], ended: set[str]) -> bool:
+    """Whether every run of the search has ended (``ended``: the ones seen ended, kept
+    across polls so that each is read until then only)."""
+    ids = {run_id for context in search["contexts"] for probe in context["probes"]
+           for run_id in probe["run_ids"]}
+    ids |= {run_id for context in search["contexts"]
+            for probe in (context.get("prefill") or {}).get("probes", []) for run_id in probe["run_ids"]}
+    if len(ids) < search["runs"]:
+        return False  # a run the answer does not list: it cannot be read, so it may not have ended
+    for run_id in sorted(ids - ended):
+        if client.get(f"/api/runs/{run_id}")["status"] not in ENDED:
+            return False
+        ended.add(run_id)
+    return True

@@ -183,8 +183,10 @@ def capacity_table(search: Mapping[str, Any]) -> Table:
                          f"{sla['metric']} <= {sla['max_ms']:g} ms; decode output tokens/s, 95% intervals"))
     for c in search["contexts"]:
         low, high = c["boundary_range"]
-        table.add_row(str(c["input_len"]), str(c["max_concurrency"]) + ("" if c["decided"] else " ?"),
-                      f"[{low}, {high}]", str(c["first_failing"] or "-"), c["limited_by"],
+        at_least = c.get("at_least")
+        boundary = (">= " if at_least else "") + str(c["max_concurrency"]) + ("" if c["decided"] else " ?")
+        table.add_row(str(c["input_len"]), boundary, f"[{low}, open)" if at_least else f"[{low}, {high}]",
+                      str(c["first_failing"] or "-"), c["limited_by"],
                       f"{c['confidence']:.0%}", _figure(c.get("tokens_per_s_per_user")),
                       _figure(c.get("tokens_per_s_per_server")), str(c["runs"]),
                       "-" if c["wall_s"] is None else f"{c['wall_s']:.0f}")
@@ -198,15 +200,22 @@ def ratio_table(search: Mapping[str, Any]) -> Table | None:
             if c.get("decode_servers_per_prefill_server")]
     if not rows:
         return None
-    table = Table("input_len", "prefill tok/s", "P req/s", "output_len", "C max", "TPOT ms at C max",
-                  "D req/s", "decode servers per prefill server (P / D)",
-                  title="P = prefill tok/s / input_len; D = C max / (output_len x TPOT); 95% intervals")
+    table = Table("input_len", "prefill tok/s", "P req/s", "output_len", "C max", "mean TPOT ms at C max",
+                  "D req/s", "P / D", "decode servers per prefill server",
+                  title="P = prefill tok/s / input_len; D = C max / (output_len x mean TPOT); ranges carry "
+                        "P's bracket, D's 95% interval over trials and C max's range")
     for input_len, r in rows:
         prefill = f"{r['prefill_tokens_per_s']:g}"
         if r.get("prefill_source") == "measured":
             low, high = r["prefill_tokens_per_s_range"]
-            prefill = f"{low:.4g} [{low:.4g}, {high:.4g}] measured"
+            prefill = (f">= {low:.4g} measured" if high is None
+                       else f"{low:.4g} [{low:.4g}, {high:.4g}) measured")
+        d_lo, d_hi = r["decode_requests_per_s_range"]
+        r_lo, r_hi = r["ratio_range"]
         table.add_row(str(input_len), prefill, f"{r['prefill_requests_per_s']:.3g}",
-                      str(r["output_len"]), str(r["max_concurrency"]), _figure(r["tpot_ms"], 2),
-                      _figure(r["decode_requests_per_s"], 3), _figure(r["ratio"], 2))
+                      str(r["output_len"]), str(r["max_concurrency"]),
+                      _figure(r["tpot_ms"], 2) if r.get("tpot_ms") else "one trial",
+                      f"{r['decode_requests_per_s']:.3g} [{d_lo:.3g}, {d_hi:.3g}]",
+                      f"{r['ratio']:.3g} [{r_lo:.3g}, {'open' if r_hi is None else format(r_hi, '.3g')}]",
+                      r["sentence"])
     return table

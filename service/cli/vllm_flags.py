@@ -214,7 +214,7 @@ def capacity_body(v: Mapping[str, Any]) -> dict[str, Any]:
         if v.get(key) is not None:
             body[key] = v[key]
     prefill = {field: v[f"prefill_{field}"] for field in ("ttft_p99_max_ms", "start_rate", "max_rate",
-                                                           "num_prompts")
+                                                           "duration_s", "min_prompts")
                if v.get(f"prefill_{field}") is not None}
     if prefill:
         body["prefill"] = prefill  # the service names what is missing (ttft_p99_max_ms)

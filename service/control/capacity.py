@@ -10,6 +10,10 @@ Looks are taken one at a time (``_LOOKING``), as ``until_decided``'s are: two pr
 ending together must not both see the search wanting a probe and both queue it. A look
 the service did not take because it stopped between a run's end and the look is taken at
 the next start (``catch_up``). Called in worker threads: the looks bootstrap intervals.
+
+A look that raises (a stored spec or look this version cannot read) ends its search
+``failed`` with the error (``storage.capacity.fail``, guarded), never leaving it active
+with nothing to advance it; a database error leaves it active for the next look.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
 from service.analysis import prefill_rate
 from service.analysis.capacity import assess, ceiling_bound, look_key, probe_runs, take_look
+from service.analysis.probe_units import drift_from_looks
 from service.core.errors import NotFound
+from service.core.spec import describe
 from service.storage import capacity, measurements, store
 from service.storage.tables import Run
 
@@ -43,7 +51,7 @@ def follow_up(engine: Engine, run_id: str) -> int:
             return 0  # deleted meanwhile
         if run.capacity_id is None:
             return 0
-        return advance(engine, run.capacity_id)
+        return _look(engine, run.capacity_id)
 
 
 def catch_up(engine: Engine) -> int:
@@ -52,8 +60,23 @@ def catch_up(engine: Engine) -> int:
     queued = 0
     for search_id in capacity.active_ids(engine):
         with _LOOKING:
-            queued += advance(engine, search_id)
+            queued += _look(engine, search_id)
     return queued
+
+
+def _look(engine: Engine, search_id: str) -> int:
+    """``advance``, ending the search ``failed`` with the error when the look raises: nothing
+    else would ever advance it. A database error (locked, I/O) is raised: the failing write
+    would meet it too, and the next look may succeed."""
+    try:
+        return advance(engine, search_id)
+    except OperationalError:
+        raise
+    except Exception as exc:
+        log.exception("capacity search %s: its look failed; the search ends failed", search_id)
+        what = describe(exc) if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}"
+        capacity.fail(engine, search_id, f"its look failed, so it cannot go on: {what}")
+        return 0
 
 
 def advance(engine: Engine, search_id: str) -> int:
@@ -72,14 +95,18 @@ def advance(engine: Engine, search_id: str) -> int:
             if probe.needs_look(looks):
                 trials = probe.succeeded()
                 samples = [measurements.get_samples(engine, r.id) for r in trials]
-                looks[look_key(probe.input_len, probe.concurrency)] = take_look(
-                    samples, [r.id for r in trials], metric, probe.concurrency, per_look)
+                key = look_key(probe.input_len, probe.concurrency)
+                # Drift between runs, pooled over the search's other probes (every input
+                # length: runs drift as a whole), widens this probe's interval.
+                looks[key] = take_look(samples, [r.id for r in trials], metric, probe.concurrency,
+                                       per_look, max_ms, drift_from_looks(looks, leave_out=key))
     prefill = search.plan.get("prefill")
     if prefill is not None:
         for length in search.input_lens:
             for rate, ids in prefill_rate.looks_due(runs, length, looks):
                 samples = [measurements.get_samples(engine, run_id) for run_id in ids]
-                looks[prefill_rate.look_key(length, rate)] = prefill_rate.take_look(samples, ids)
+                looks[prefill_rate.look_key(length, rate)] = prefill_rate.take_look(
+                    samples, ids, float(prefill["ttft_p99_max_ms"]), prefill_rate.per_look(prefill))
     bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
     contexts = assess(search.input_lens, max_ms, bound, runs, looks, search.ended,
                       trial_cap=int(search.plan["trial_cap"]))

@@ -7,6 +7,7 @@ The search itself (which concurrency to probe next, when the boundary is decided
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -32,10 +33,14 @@ MAX_INPUT_LENS = 16
 # A probe at concurrency C sends max(MIN_PROBE_PROMPTS, PROBE_WAVES * C) requests, C at a
 # time: its streams start together and, with one output length, end together, so the batch
 # is full for PROBE_WAVES waves of C; the figure is taken over the gaps while all C decoded
-# (``service.analysis.capacity.sla_figure``). At C = 1 the floor gives the interval 16
-# requests to resample.
+# (``service.analysis.capacity.sla_figure``), whose units are the waves' engine steps (ITL)
+# or the waves themselves (TPOT), never a wave's requests apart. At C <= 4 the floor gives
+# 16 requests: 16 / C waves.
 PROBE_WAVES = 4
 MIN_PROBE_PROMPTS = 16
+# Trials of a search's first probe, queued together at its start: the drift between runs
+# is measured before any verdict (``service.analysis.probe_units``).
+FIRST_PROBE_TRIALS = 2
 
 # RunSpec fields the search sets on every probe: a base that sets them is refused.
 PROBE_FIELDS = ("input_len", "max_concurrency", "num_prompts", "request_rate", "ramp_up",
@@ -49,18 +54,27 @@ class Sla(Strict):
     max_ms: float = Field(gt=0, le=1e7, allow_inf_nan=False)
 
 
+# A prefill rate's run lasts this long and sends at least this many requests.
+DEFAULT_RATE_DURATION_S = 60.0
+DEFAULT_RATE_MIN_PROMPTS = 100
+
+
 class PrefillSearch(Strict):
-    """Measure what a prefill server admits: per input length, real-prefill runs of one
-    output token at rising request rates, up to the highest whose p99 TTFT is at most
-    ``ttft_p99_max_ms``: doubling from ``start_rate`` to the first failing rate (or
-    ``max_rate``), then bisecting (geometric mean) until the failing rate is within
-    ``precision`` of the passing one."""
+    """Measure what a prefill server sustains: per input length, real-prefill runs of one
+    output token at rising request rates, each lasting ``duration_s``, up to the highest
+    whose p99 TTFT is at most ``ttft_p99_max_ms`` and does not climb through the run:
+    doubling from ``start_rate`` to the first failing rate (or ``max_rate``), then
+    bisecting (geometric mean) until the failing rate is within ``precision`` of the
+    passing one."""
 
     ttft_p99_max_ms: float = Field(gt=0, le=1e7, allow_inf_nan=False)
     start_rate: float = Field(default=1.0, gt=0, le=1e5, allow_inf_nan=False)
     max_rate: float = Field(default=1024.0, gt=0, le=1e5, allow_inf_nan=False)
-    # Requests each rate's run sends (it lasts about num_prompts / rate seconds).
-    num_prompts: Int = Field(default=32, ge=8, le=MAX_PROMPTS)
+    # How long each rate's run sends (rate x duration_s requests, at least min_prompts):
+    # above the server's rate mu its queue grows by (rate - mu) requests a second, and a
+    # run must last long enough for that to show in its TTFT (see ``rate_prompts``).
+    duration_s: float = Field(default=DEFAULT_RATE_DURATION_S, ge=1, le=3600, allow_inf_nan=False)
+    min_prompts: Int = Field(default=DEFAULT_RATE_MIN_PROMPTS, ge=8, le=MAX_PROMPTS)
     # Stop bisecting once first failing rate <= last passing rate x (1 + precision).
     precision: float = Field(default=0.25, ge=0.01, le=1.0, allow_inf_nan=False)
 
@@ -125,7 +139,8 @@ class CapacityCreate(Strict):
                 raise ValueError(f"input_lens: {input_len} makes no valid run: {exc}") from exc
             if self.prefill is not None:
                 try:
-                    prefill_spec(self.base, input_len, self.prefill.start_rate, self.prefill.num_prompts)
+                    prefill_spec(self.base, input_len, self.prefill.start_rate,
+                                 rate_prompts(self.prefill.start_rate, self.prefill.model_dump()))
                 except ValueError as exc:
                     raise ValueError(f"prefill: input_len {input_len} makes no valid prefill run: "
                                      f"{exc}") from exc
@@ -162,6 +177,16 @@ def probe_spec(base: RunSpec | Mapping[str, Any], input_len: int, concurrency: i
                 repeats=1, stop=None, mode="seeded" if data.get("mode") == "seeded" else "fill",
                 seed=(seed + trial) % 2**32)
     return RunSpec.stored(data) if stored else RunSpec.model_validate(data)
+
+
+def rate_prompts(rate: float, prefill: Mapping[str, Any]) -> int:
+    """Requests a prefill rate's run sends: ``rate`` x ``duration_s``, at least
+    ``min_prompts`` (and at most a run's ``MAX_PROMPTS``). A search stored before runs had
+    a duration sent its fixed ``num_prompts`` at every rate."""
+    if "duration_s" not in prefill:
+        return int(prefill["num_prompts"])
+    wanted = math.ceil(rate * float(prefill["duration_s"]))
+    return min(MAX_PROMPTS, max(int(prefill["min_prompts"]), wanted))
 
 
 def prefill_spec(base: RunSpec | Mapping[str, Any], input_len: int, rate: float, num_prompts: int,

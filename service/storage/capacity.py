@@ -14,16 +14,23 @@ from typing import Any
 from sqlalchemy import Engine, delete, func, update
 from sqlmodel import Session, col, select
 
-from service.core.capacity import PROBE_FIELDS, CapacityCreate, prefill_spec, probe_spec
+from service.core.capacity import (
+    FIRST_PROBE_TRIALS,
+    PROBE_FIELDS,
+    CapacityCreate,
+    prefill_spec,
+    probe_spec,
+    rate_prompts,
+)
 from service.core.errors import Conflict, NotFound, shown
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec, point_key
-from service.core.status import FINISHED
+from service.core.status import FINISHED, RunStatus
 from service.storage.db import write_session
-from service.storage.store import queue_in_order, status_counts
+from service.storage.store import SEARCH_ACTIVE, queue_in_order, status_counts
 from service.storage.tables import Baseline, CapacitySearch, Run, SampleRow, ServerMetricPoint
 
-ACTIVE = "active"
+ACTIVE = SEARCH_ACTIVE
 
 
 def _probe_run(search: CapacitySearch, base: RunSpec | Mapping[str, Any], input_len: int,
@@ -42,7 +49,7 @@ def _prefill_run(search: CapacitySearch, base: RunSpec | Mapping[str, Any], inpu
                  rate: float, earlier: Sequence[Run] = ()) -> Run:
     """The next real-prefill run at (``input_len``, ``rate`` requests/s), not yet stored;
     ``earlier``: the runs at that rate so far (its trials)."""
-    spec = prefill_spec(base, input_len, rate, int(search.plan["prefill"]["num_prompts"]), len(earlier),
+    spec = prefill_spec(base, input_len, rate, rate_prompts(rate, search.plan["prefill"]), len(earlier),
                         stored=True)
     data = spec.model_dump()
     return Run(id=new_id("r"), spec=data, model=spec.model, total=spec.prompt_budget(),
@@ -50,8 +57,9 @@ def _prefill_run(search: CapacitySearch, base: RunSpec | Mapping[str, Any], inpu
 
 
 def create_search(engine: Engine, body: CapacityCreate, plan: Mapping[str, Any]) -> CapacitySearch:
-    """Insert a search and the first probe of each input length (one request at a time),
-    with, when it measures the prefill side, each one's first prefill run; all or nothing."""
+    """Insert a search and the first probe of each input length (one request at a time, its
+    ``FIRST_PROBE_TRIALS`` trials together), with, when it measures the prefill side, each
+    one's first prefill run; all or nothing."""
     # The fields each probe sets are not kept with the base: they would read as the search's.
     base = body.base.model_dump(exclude=set(PROBE_FIELDS))
     plan = dict(plan)
@@ -59,11 +67,18 @@ def create_search(engine: Engine, body: CapacityCreate, plan: Mapping[str, Any])
         # Kept with the plan (fixed at the start, in JSON): no column for a sizing input.
         plan["prefill_tokens_per_s"] = body.prefill_tokens_per_s
     if body.prefill is not None:
-        plan["prefill"] = body.prefill.model_dump()
+        # The request as asked, with the looks the caller planned for it (``plan["prefill"]``).
+        plan["prefill"] = {**body.prefill.model_dump(), **(plan.get("prefill") or {})}
     search = CapacitySearch(id=new_id("c"), base=base, input_lens=list(body.input_lens),
                             sla=body.sla.model_dump(), max_concurrency=body.max_concurrency,
                             max_runs=body.runs_budget(), plan=plan)
-    runs = [_probe_run(search, body.base, length, 1, []) for length in body.input_lens]
+    # The first probe's trials up front, interleaved across input lengths: the drift
+    # between runs is measured before the first verdict.
+    first: dict[int, list[Run]] = {length: [] for length in body.input_lens}
+    for _ in range(FIRST_PROBE_TRIALS):
+        for length in body.input_lens:
+            first[length].append(_probe_run(search, body.base, length, 1, first[length]))
+    runs = [run for trial in zip(*first.values(), strict=True) for run in trial]
     if body.prefill is not None:
         runs += [_prefill_run(search, body.base, length, body.prefill.start_rate)
                  for length in body.input_lens]
@@ -129,6 +144,25 @@ def stop(engine: Engine, search_id: str, why: str) -> bool:
                                          col(CapacitySearch.status) == ACTIVE)
             .values(status="cancelled", error=why, finished_at=utcnow()))
         return bool(result.rowcount == 1)
+
+
+def fail(engine: Engine, search_id: str, why: str) -> bool:
+    """End an active search ``failed`` with ``why`` (guarded), and in the same transaction
+    cancel its runs still queued: a search that ended runs nothing more (a run being
+    measured finishes). False when it had ended already (or is gone)."""
+    with write_session(engine) as session:
+        result = session.exec(
+            update(CapacitySearch).where(col(CapacitySearch.id) == search_id,
+                                         col(CapacitySearch.status) == ACTIVE)
+            .values(status="failed", error=why, finished_at=utcnow()))
+        if result.rowcount != 1:
+            return False
+        # Guarded as ``store.cancel_queued`` is: a run its runner already moved on is its runner's.
+        session.exec(
+            update(Run).where(col(Run.capacity_id) == search_id, col(Run.status) == RunStatus.queued.value)
+            .values(status=RunStatus.cancelled.value, finished_at=utcnow(),
+                    error=f"not run: its capacity search failed ({why})"))
+        return True
 
 
 def active_ids(engine: Engine) -> list[str]:

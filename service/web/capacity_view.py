@@ -11,7 +11,10 @@ from sqlalchemy import Engine
 from service.analysis import prefill_rate
 from service.analysis.capacity import Context, ServersRatio, assess, ceiling_bound, servers_ratio, wall_s
 from service.analysis.intervals import CONFIDENCE, Interval
+from service.analysis.prefill_rate import BY_POINT
 from service.core.ids import utcnow
+from service.core.provenance import hardware_line
+from service.core.shapes import is_shape, shape_of
 from service.core.status import RunStatus
 from service.storage import capacity
 from service.storage.tables import CapacitySearch, Run
@@ -19,6 +22,7 @@ from service.web.schemas import (
     CapacityContext,
     CapacityProbe,
     CapacityPublic,
+    Caveat,
     Figure,
     PrefillProbe,
     PrefillPublic,
@@ -52,14 +56,25 @@ def _statement(search: CapacitySearch, context: Context, decided: bool) -> str:
         return (f"not decided yet: {step.last_pass} passed {sla} so far"
                 + (f", {step.first_fail} failed" if step.first_fail is not None else ""))
     found = f"largest concurrency with {sla} at input_len {context.input_len}: {step.last_pass}"
-    if step.first_fail is None:
-        found += f" (bound reached: {step.bound.reason})"
-    sure = (f"with {confidence:.0%} confidence it is {where}" if low == high
-            else f"with {confidence:.0%} confidence it lies in {where}")
+    if step.first_fail is None and step.bound.kind == "max_concurrency":
+        # Nothing above the asked ceiling was probed: the true boundary is only bounded below.
+        found = (f"largest concurrency with {sla} at input_len {context.input_len}: at least "
+                 f"{step.last_pass} (the highest asked, {step.bound.reason}, passed; higher was not probed)")
+        where = f"at least {low}"
+        sure = f"with {confidence:.0%} confidence it is {where}"
+    else:
+        if step.first_fail is None:
+            found += f" (bound reached: {step.bound.reason})"
+        sure = (f"with {confidence:.0%} confidence it is {where}" if low == high
+                else f"with {confidence:.0%} confidence it lies in {where}")
     if step.by_point_estimate:
         points = ", ".join(map(str, step.by_point_estimate))
         sure += (f"; decided at {points} by the point estimate after "
                  f"{search.plan['trial_cap']} trials (the interval straddled the limit)")
+    if step.drifting:
+        # Drift said where it was seen: the range already carries it (``probe_units``).
+        sure += (f"; the trials at {', '.join(map(str, step.drifting))} disagree beyond their run "
+                 "intervals: runs drift, and the range carries that spread")
     return f"{found}; {sure}"
 
 
@@ -71,32 +86,60 @@ def _probe_public(probe: dict[str, Any]) -> CapacityProbe:
                          tokens_per_s_per_server=_figure(rate, probe["concurrency"]))
 
 
+def _top(value: float | None, fmt: str = ".4g") -> str:
+    return "open" if value is None else format(value, fmt)
+
+
 def ratio_public(ratio: ServersRatio) -> ServersRatioPublic:
     """P / D with its inputs, as the API shows it."""
-    p_range = [ratio.prefill_tokens_per_s, ratio.prefill_tokens_per_s_hi]
-    prefill = (f"{ratio.prefill_tokens_per_s:.4g} tok/s (measured; the rate where the TTFT limit "
-               f"is crossed lies up to {ratio.prefill_tokens_per_s_hi:.4g})" if ratio.measured
-               else f"{ratio.prefill_tokens_per_s:g} tok/s")
-    formula = (f"P = {prefill} / {ratio.input_len} = "
-               f"{ratio.prefill_requests_per_s:.4g} req/s; D = {ratio.max_concurrency} / "
-               f"({ratio.output_len} x {ratio.tpot_s.value * 1000:.4g} ms) = "
-               f"{ratio.decode_requests_per_s.value:.4g} req/s; P / D = {ratio.ratio.value:.3g} "
+    p_lo, p_hi = ratio.prefill_requests_per_s, ratio.prefill_requests_per_s_hi
+    if not ratio.measured:
+        prefill = f"{ratio.prefill_tokens_per_s:g} tok/s (given)"
+    elif p_hi is None:
+        prefill = (f"at least {ratio.prefill_tokens_per_s:.4g} tok/s (measured; the highest rate "
+                   "asked passed)")
+    else:
+        prefill = (f"{ratio.prefill_tokens_per_s:.4g} tok/s (measured; the rate where the TTFT limit "
+                   f"is crossed lies up to {_top(ratio.prefill_tokens_per_s_hi)})")
+    tpot = ratio.tpot_s
+    single = tpot.n < 2
+    formula = (f"P = {prefill} / {ratio.input_len} = {p_lo:.4g} req/s; D = {ratio.max_concurrency} / "
+               f"({ratio.output_len} x mean TPOT {tpot.mean * 1000:.4g} ms) = "
+               f"{ratio.decode_requests_per_s:.4g} req/s; P / D = {ratio.ratio:.3g} "
                "decode servers per prefill server")
+    c_lo, c_hi = ratio.concurrency_range
+    holds_if = ("the range holds where the prefill rate "
+                + ("given is right" if not ratio.measured else
+                   "lies where the verdicts of intervals and backlogs put it (the prefill side's "
+                   "sure_tokens_per_s_range, wider than the bracket of point estimates)")
+                + f", the boundary lies in [{c_lo}, {c_hi}] as the search states, and the mean TPOT "
+                + ("lies in its 95% interval over the boundary's trials" if not single
+                   else "of the boundary's one trial stands (no interval: one trial)")
+                + "; no single probability is stated for it")
+    d_lo, d_hi = ratio.decode_requests_per_s_range
+    r_lo, r_hi = ratio.ratio_range
+    tpot_figure = (None if single else
+                   Figure(value=tpot.mean * 1000, ci=[tpot.lo * 1000, tpot.hi * 1000], confidence=CONFIDENCE))
     return ServersRatioPublic(
-        formula=formula, prefill_source="measured" if ratio.measured else "given",
-        prefill_tokens_per_s=ratio.prefill_tokens_per_s, prefill_tokens_per_s_range=p_range,
-        input_len=ratio.input_len, prefill_requests_per_s=ratio.prefill_requests_per_s,
-        prefill_requests_per_s_range=[ratio.prefill_requests_per_s, ratio.prefill_requests_per_s_hi],
-        output_len=ratio.output_len,
-        max_concurrency=ratio.max_concurrency, tpot_ms=_figure(ratio.tpot_s, 1000.0),
-        decode_requests_per_s=_figure(ratio.decode_requests_per_s), ratio=_figure(ratio.ratio))
+        sentence=ratio.sentence(), formula=formula, holds_if=holds_if,
+        prefill_source="measured" if ratio.measured else "given",
+        prefill_tokens_per_s=ratio.prefill_tokens_per_s,
+        prefill_tokens_per_s_range=[ratio.prefill_tokens_per_s, ratio.prefill_tokens_per_s_hi],
+        input_len=ratio.input_len, prefill_requests_per_s=p_lo, prefill_requests_per_s_range=[p_lo, p_hi],
+        output_len=ratio.output_len, max_concurrency=ratio.max_concurrency,
+        concurrency_range=[c_lo, c_hi], tpot_ms=tpot_figure, tpot_trials=tpot.n,
+        decode_requests_per_s=ratio.decode_requests_per_s, decode_requests_per_s_range=[d_lo, d_hi],
+        ratio=ratio.ratio, ratio_range=[r_lo, r_hi])
 
 
-PREFILL_METHOD = ("real-prefill runs of one output token at each rate; a rate passes when the 95% "
-                  "interval of its p99 TTFT (bootstrap over requests, its runs pooled) lies at or "
-                  "under the limit, fails when it lies over, else gets another run, up to "
-                  f"{prefill_rate.RATE_TRIAL_CAP}, where the point estimate decides; doubling from "
-                  "the start rate to the first failure, then bisecting")
+PREFILL_METHOD = ("real-prefill runs of one output token at each rate, each lasting the asked duration "
+                  "(rate x duration_s requests, at least min_prompts); a rate fails when its TTFT "
+                  "climbs through a run (Theil-Sen slope above zero, a climb over half the limit: a "
+                  "queue that grows), else passes when the exact interval of its p99 TTFT (order "
+                  "statistics over its runs' requests, at the per-look confidence of the planned "
+                  "looks) lies at or under the limit, fails when it lies over, else gets another "
+                  f"run, up to {prefill_rate.RATE_TRIAL_CAP}, where the point estimate decides; "
+                  "doubling from the start rate to the first failure, then bisecting")
 
 
 def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) -> PrefillPublic | None:
@@ -115,14 +158,25 @@ def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) 
         state = "measuring"
     rate = prefill_rate.measured(step, input_len) if state == "decided" else None
     limit = f"p99 TTFT <= {max_ms:g} ms"
+    pointed = sorted(p.rate for p in probes if p.judgement(max_ms)[1] == BY_POINT)
+    caveat = ("" if not pointed else
+              f"; {', '.join(f'{r:g}' for r in pointed)} requests/s decided by the point estimate "
+              f"after {prefill_rate.RATE_TRIAL_CAP} runs (the interval straddled the limit)")
     if rate is not None and step.bound_reached:
-        statement = (f"a prefill server admits {rate.requests_per_s:.4g} requests/s ({limit}; the "
-                     f"highest rate asked, max_rate, passed): at least {rate.tokens_per_s:.4g} "
-                     f"prefill tokens/s at input_len {input_len}")
+        statement = (f"a prefill server sustains at least {rate.requests_per_s:.4g} requests/s with "
+                     f"{limit} (the highest rate asked, max_rate, passed: its true rate is only "
+                     f"bounded below): at least {rate.tokens_per_s:.4g} prefill tokens/s at input_len "
+                     f"{input_len}{caveat}")
     elif rate is not None:
-        statement = (f"a prefill server admits {rate.requests_per_s:.4g} requests/s with {limit} "
+        statement = (f"a prefill server sustains {rate.requests_per_s:.4g} requests/s with {limit} "
                      f"({rate.requests_per_s_hi:.4g} failed): {rate.tokens_per_s:.4g} prefill "
-                     f"tokens/s at input_len {input_len}, under {rate.tokens_per_s_hi:.4g}")
+                     f"tokens/s at input_len {input_len}, the crossing in [{rate.tokens_per_s:.4g}, "
+                     f"{rate.tokens_per_s_hi:.4g}) when every verdict is right{caveat}")
+    if rate is not None:
+        low, high = rate.surely
+        statement += (f"; by the verdicts that carry a confidence (intervals, backlogs) the crossing lies in "
+                      f"[{low * input_len:.4g}, {_top(None if high is None else high * input_len)}) "
+                      "prefill tokens/s")
     else:
         statement = (f"not decided: {step.last_pass:g} requests/s passed {limit} so far"
                      if step.last_pass is not None else f"not decided: no rate has passed {limit} yet")
@@ -131,6 +185,8 @@ def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) 
         bound_reached=step.bound_reached,
         tokens_per_s=None if rate is None else rate.tokens_per_s,
         tokens_per_s_range=None if rate is None else [rate.tokens_per_s, rate.tokens_per_s_hi],
+        sure_tokens_per_s_range=None if rate is None else [
+            rate.surely[0] * input_len, None if rate.surely[1] is None else rate.surely[1] * input_len],
         method=PREFILL_METHOD, statement=statement,
         probes=[_rate_view(p, max_ms) for p in probes],
         runs=sum(len(p.run_ids) for p in probes), error=stopped or step.error)
@@ -138,10 +194,13 @@ def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) 
 
 def _rate_view(probe: prefill_rate.RateProbe, max_ms: float) -> PrefillProbe:
     verdict, by = probe.judgement(max_ms)
+    looked = probe.p99_ttft_ms is not None
     return PrefillProbe(request_rate=probe.rate, run_id=probe.run_id, run_ids=list(probe.run_ids),
                         trials=probe.trials, status=probe.status, p99_ttft_ms=probe.p99_ttft_ms,
-                        ci_ms=None if probe.ci_ms is None else list(probe.ci_ms), verdict=verdict,
-                        decided_by=by)
+                        ci_ms=None if probe.ci_ms is None else list(probe.ci_ms),
+                        confidence=probe.confidence if looked else None,
+                        climb_ms=None if probe.climb_ms is None else list(probe.climb_ms),
+                        verdict=verdict, decided_by=by)
 
 
 def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run] = (),
@@ -155,15 +214,19 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
     rate = _figure(per_user)
     prefill = prefill_public(search, runs, context.input_len)
     ratio = None
-    if per_user is not None:
+    if context.tpot_trials:
         found = None
         output_len = int(search.base["output_len"])
+        c_range = (step.surely[0], step.surely[1]) if decided else None
         if prefill_tokens_per_s is not None:
             found = servers_ratio(prefill_tokens_per_s, context.input_len, output_len, step.last_pass,
-                                  per_user)
+                                  context.tpot_trials, c_range)
         elif prefill is not None and prefill.tokens_per_s_range is not None:
             low, high = prefill.tokens_per_s_range
-            found = servers_ratio(low, context.input_len, output_len, step.last_pass, per_user, high)
+            sure_lo, sure_hi = prefill.sure_tokens_per_s_range or [0.0, None]
+            found = servers_ratio(low, context.input_len, output_len, step.last_pass, context.tpot_trials,
+                                  c_range, None if prefill.bound_reached else high, measured=True,
+                                  prefill_range=(sure_lo or 0.0, sure_hi))
         ratio = None if found is None else ratio_public(found)
     return CapacityContext(
         input_len=context.input_len, state=state, decided=decided,
@@ -172,6 +235,7 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
         limit_reason=(f"the probe at {step.first_fail} failed the SLA" if step.first_fail is not None
                       else step.bound.reason),
         confidence=float(search.plan["confidence"]), boundary_range=list(step.surely),
+        at_least=decided and step.first_fail is None and step.bound.kind == "max_concurrency",
         decided_by_point_estimate=list(step.by_point_estimate),
         statement=_statement(search, context, decided),
         probes=[_probe_public(dict(p)) for p in context.probes],
@@ -179,6 +243,45 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
         tokens_per_s_per_server=_figure(per_user, step.last_pass) if step.last_pass else None,
         decode_servers_per_prefill_server=ratio, prefill=prefill,
         runs=context.runs, wall_s=context.wall_s, error=context.ended or step.error)
+
+
+def ran_on(base: Mapping[str, Any], runs: Sequence[Run]) -> str | None:
+    """What a search's probes ran on, in a line: the model with its depth (a bundled
+    shape's layers of its published total), dtype, weights and hardware, from the first
+    probe run that has a provenance (else from the base as asked); None before any ran."""
+    model = str(base.get("model", ""))
+    engine_asked = base.get("engine") or {}
+    provenance = next((r.provenance for r in runs if r.provenance), None)
+    if provenance is None:
+        return None
+    engine_ran = provenance.get("engine") or {}
+    layers = engine_asked.get("num_layers")
+    depth = ""
+    if is_shape(model):
+        total = shape_of(model).layers
+        depth = f" at {layers} of its {total} layers" if layers else f" at all {total} layers"
+    elif layers:
+        depth = f" at {layers} layers"
+    dtype = engine_ran.get("dtype") or engine_asked.get("dtype")
+    parts = [f"{model}{depth}"]
+    if dtype:
+        parts.append(str(dtype).removeprefix("torch."))
+    parts.append(f"{provenance.get('weights') or 'real'} weights")
+    hardware = hardware_line(provenance.get("hardware"))
+    return ", ".join(parts) + (f", on {hardware}" if hardware else "")
+
+
+def caveats(runs: Sequence[Run]) -> list[Caveat]:
+    """Every warning the search's runs carry, once per code (its first message), with how
+    many runs carry it, most common first."""
+    found: dict[str, Caveat] = {}
+    for run in runs:
+        for code in {str(w.get("code")) for w in run.warnings or []}:
+            first = next(w for w in run.warnings or [] if str(w.get("code")) == code)
+            seen = found.get(code)
+            found[code] = (Caveat(code=code, message=str(first.get("message", "")), runs=1) if seen is None
+                           else seen.model_copy(update={"runs": seen.runs + 1}))
+    return sorted(found.values(), key=lambda c: (-c.runs, c.code))
 
 
 def capacity_public(engine: Engine, search_id: str,
@@ -189,15 +292,23 @@ def capacity_public(engine: Engine, search_id: str,
     search, runs = capacity.get_search(engine, search_id)
     bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
     prefill = prefill_tokens_per_s or search.plan.get("prefill_tokens_per_s")
-    contexts = assess(search.input_lens, float(search.sla["max_ms"]), bound, runs, search.looks,
-                      search.ended, cancelled=search.status == "cancelled",
-                      trial_cap=int(search.plan["trial_cap"]))
+    error, shown_on, warned, public = search.error, None, [], []
+    try:
+        contexts = assess(search.input_lens, float(search.sla["max_ms"]), bound, runs, search.looks,
+                          search.ended, cancelled=search.status == "cancelled",
+                          trial_cap=int(search.plan["trial_cap"]))
+        public = [context_public(search, c, runs, prefill) for c in contexts]
+        shown_on, warned = ran_on(search.base, runs), caveats(runs)
+    except (LookupError, TypeError, ValueError) as exc:
+        # A run or look this version cannot read (a stored spec that no longer validates): the
+        # search is shown with why, never a 500; its look ends it failed (``control.capacity``).
+        error = error or f"its runs cannot be read: {type(exc).__name__}: {exc}"
     return CapacityPublic(
         id=search.id, status=status_of(search, runs), created_at=search.created_at,
         finished_at=search.finished_at, base=search.base, input_lens=search.input_lens,
         sla=search.sla, max_concurrency=search.max_concurrency, max_runs=search.max_runs,
-        plan=search.plan, runs=len(runs), wall_s=wall_s(runs, utcnow()), error=search.error,
-        contexts=[context_public(search, c, runs, prefill) for c in contexts])
+        plan=search.plan, runs=len(runs), wall_s=wall_s(runs, utcnow()), error=error,
+        ran_on=shown_on, caveats=warned, contexts=public)
 
 
 def sweep_keys(base: Mapping[str, Any]) -> list[str]:

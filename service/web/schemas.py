@@ -263,10 +263,10 @@ class Figure(BaseModel):
 
 class CapacityProbe(BaseModel):
     """One concurrency a capacity search probed: its trials, its SLA figure (ms) with the
-    interval of its latest look, and its verdict: ``pass``, ``fail``, ``undecided``,
-    ``capped`` (the server ran fewer at once: ``capped`` says why), ``refused`` (the batch
-    does not fit the KV cache: ``refused`` gives the arithmetic), ``queued``, ``running``,
-    ``failed`` or ``unmeasured``."""
+    interval of its latest look (``ci_ms`` null while nothing bounds it), and its verdict:
+    ``pass``, ``fail``, ``undecided``, ``capped`` (the server ran fewer at once: ``capped``
+    says why), ``refused`` (the batch does not fit the KV cache: ``refused`` gives the
+    arithmetic), ``queued``, ``running``, ``failed`` or ``unmeasured``."""
 
     concurrency: int
     trials: int
@@ -285,37 +285,61 @@ class CapacityProbe(BaseModel):
     # server (times ``concurrency``) at its latest look, 95% intervals: the frontier's points.
     tokens_per_s_per_user: Figure | None = None
     tokens_per_s_per_server: Figure | None = None
+    # How its figure and verdict were found (the units, how drift between runs is carried).
+    method: str | None = None
+    # Independent units its latest look rests on (engine steps for ITL, waves for TPOT).
+    units: int | None = None
+    # A tail limit's attainment: the share of units meeting it with its bounds at
+    # ``confidence`` ([share, lo, hi]), the share it must reach, and the units that could
+    # show that share at all (every one of them meeting the limit).
+    attainment: list[float] | None = None
+    attainment_target: float | None = None
+    units_needed: int | None = None
+    # What a reader must know beside the figure: drift between its trials, too few units.
+    notes: list[str] = Field(default_factory=list)
 
 
 class ServersRatioPublic(BaseModel):
     """Decode servers per prefill server at one input length, with the formula's inputs:
     P = prefill_tokens_per_s / input_len requests/s a prefill server admits; D =
-    max_concurrency / (output_len x tpot_ms / 1000) requests/s a decode server finishes at
-    the boundary; ``ratio`` = P / D. The prefill rate is ``given`` (exact: its range is one
-    value) or ``measured`` (its range the bracket of the prefill search: the last passing
-    rate to the first failing one); D's intervals (95%) come from the boundary's TPOT; the
-    ratio's interval runs from P's bottom over D's top to P's top over D's bottom."""
+    max_concurrency / (output_len x mean TPOT) requests/s a decode server finishes at the
+    boundary (request throughput: the mean TPOT, per trial, with a 95% Student-t interval
+    over the boundary's trials); ``ratio`` = P / D. The prefill rate is ``given`` (exact:
+    its range is one value) or ``measured`` (its range the bracket of the prefill search,
+    its top null where the highest rate asked passed: at least). ``ratio_range`` carries
+    P's range, D's interval and the boundary's own range (``concurrency_range``); a null
+    top is open. No single confidence is stated for it (``confidence`` null):
+    ``holds_if`` says what it rests on. ``sentence``: the answer in a planner's words."""
 
+    sentence: str
     formula: str
+    holds_if: str
     prefill_source: Literal["given", "measured"]
     prefill_tokens_per_s: float
-    prefill_tokens_per_s_range: list[float]
+    prefill_tokens_per_s_range: list[float | None]
     input_len: int
     prefill_requests_per_s: float
-    prefill_requests_per_s_range: list[float]
+    prefill_requests_per_s_range: list[float | None]
     output_len: int
     max_concurrency: int
-    tpot_ms: Figure
-    decode_requests_per_s: Figure
-    ratio: Figure
+    concurrency_range: list[int]
+    tpot_ms: Figure | None
+    tpot_trials: int
+    decode_requests_per_s: float
+    decode_requests_per_s_range: list[float | None]
+    ratio: float
+    ratio_range: list[float | None]
+    confidence: float | None = None
 
 
 class PrefillProbe(BaseModel):
     """One request rate the prefill search ran: its runs (``run_id`` the latest, or the
     one that ended without numbers), the p99 TTFT (ms) over their requests pooled with its
-    95% interval, and its verdict (``pass``, ``fail``, ``undecided``: another run comes),
+    exact interval at the search's per-look ``confidence``, and its verdict (``pass``,
+    ``fail``, ``undecided``: another run comes),
     or ``pending`` / ``failed`` (a run ended without numbers); ``decided_by``: the
-    ``interval`` or, at the trial cap, the ``point estimate``."""
+    ``interval``, a ``backlog`` (TTFT climbed through a run: a queue that grows), or, at
+    the trial cap, the ``point estimate``."""
 
     request_rate: float
     run_id: str
@@ -323,7 +347,11 @@ class PrefillProbe(BaseModel):
     trials: int
     status: str
     p99_ttft_ms: float | None
-    ci_ms: list[float] | None
+    # Its top null where the requests are too few to bound a p99 at this confidence.
+    ci_ms: list[float | None] | None
+    confidence: float | None
+    # How much TTFT rose through its steepest run (ms), with its 95% interval.
+    climb_ms: list[float] | None
     verdict: str
     decided_by: str | None
 
@@ -343,6 +371,9 @@ class PrefillPublic(BaseModel):
     bound_reached: bool
     tokens_per_s: float | None
     tokens_per_s_range: list[float] | None
+    # Where the crossing lies by the verdicts that carry a confidence alone (intervals,
+    # backlogs): wider than the bracket where point estimates decided; top null: open.
+    sure_tokens_per_s_range: list[float | None] | None = None
     method: str
     statement: str
     probes: list[PrefillProbe]
@@ -369,6 +400,8 @@ class CapacityContext(BaseModel):
     # With this confidence the boundary lies in ``boundary_range`` (see ``statement``).
     confidence: float
     boundary_range: list[int]
+    # The asked ceiling passed: the boundary is only bounded below (at least max_concurrency).
+    at_least: bool = False
     decided_by_point_estimate: list[int]
     statement: str
     probes: list[CapacityProbe]
@@ -384,6 +417,15 @@ class CapacityContext(BaseModel):
     runs: int
     wall_s: float | None
     error: str | None
+
+
+class Caveat(BaseModel):
+    """A warning the runs of a capacity search carry: its code, its first message, and how
+    many of the search's runs carry it."""
+
+    code: str
+    message: str
+    runs: int
 
 
 class CapacityPublic(BaseModel):
@@ -404,6 +446,11 @@ class CapacityPublic(BaseModel):
     runs: int
     wall_s: float | None
     error: str | None
+    # What the probes ran on, in a line (model and its depth, dtype, weights, hardware),
+    # and every warning its runs carry (once per code, with how many runs carry it): the
+    # caveats travel with the answer.
+    ran_on: str | None = None
+    caveats: list[Caveat] = Field(default_factory=list)
     contexts: list[CapacityContext]
 
 
