@@ -54,9 +54,10 @@ class Settings(BaseSettings):
     # A load driver process that sends nothing (not even its heartbeat) for this long has
     # hung: its run fails.
     driver_hang_s: float = Field(default=15.0, gt=0)
-    # A worker whose open streams all got nothing for this long (or for three times the
-    # longest time to first token the run has seen, a long prefill's silence, if more)
-    # has hung: its run fails and it is stopped, whatever ``request_timeout_s`` says.
+    # A worker whose open streams all got nothing, and whose /metrics did not move (a
+    # prefill's chunks move it), for this long (or for three times the longest time to
+    # first token or engine step the run has seen, if more) has hung: its run fails and it
+    # is stopped, whatever ``request_timeout_s`` says (``service.control.watchdog``).
     stall_s: float = Field(default=30.0, gt=0)
     scheduler_poll_s: float = Field(default=0.5, gt=0)
     # The most output tokens a run may ask for (its requests x output_len), refused at

@@ -34,7 +34,15 @@ per stream running: an inter-token time of ``STUB_TOKEN_INTERVAL_S + slope * run
 which gives a capacity search a known boundary), ``STUB_PREFILL_S_PER_TOKEN`` (each
 request's first token waits for a prefill of that many seconds per prompt token, one
 prefill at a time: above 1 / (that x prompt tokens) requests/s they queue and TTFT grows,
-a known prefill rate; a request of a fill run skips it, its prefill spared). ``/stub/requests`` also shows the
+a known prefill rate; a request of a fill run skips it, its prefill spared). A prefill is
+computed in chunks of ``STUB_PREFILL_CHUNK`` tokens (2048 by default, vLLM's
+``--max-num-batched-tokens`` on a CPU), one engine step each, and as vLLM 0.32's
+``/metrics`` does, the stub's moves after every step before the first token: each chunk's
+tokens raise ``kv_cache_usage_perc`` (freed when the request ends).
+``STUB_PREFILL_STUCK_AFTER`` (chunks): the engine computes that many chunks of a prefill,
+then sticks, a stuck engine mid-prefill: no more tokens for any stream, /health answers, and
+``/metrics`` says what it said then for good (as for every hang of the stub).
+``/stub/requests`` also shows the
 process's pid, the vLLM CPU binding variables it was started with and its
 ``--max-model-len`` as given.
 
@@ -224,7 +232,14 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     hang_at = int(os.environ.get("STUB_HANG_AT_REQUEST", "0"))
     first_token_s = float(os.environ.get("STUB_FIRST_TOKEN_S", "0"))
     prefill_s_per_token = float(os.environ.get("STUB_PREFILL_S_PER_TOKEN", "0"))
+    prefill_chunk = int(os.environ.get("STUB_PREFILL_CHUNK", "2048"))
+    stuck_after = int(os.environ.get("STUB_PREFILL_STUCK_AFTER", "0"))
     prefilling = asyncio.Lock()
+    # Prompt tokens in the KV cache of the requests being served, and the chunks computed.
+    state["kv_tokens"] = 0
+    state["chunks"] = 0
+    # What /metrics said when the stub hung: a stuck engine's stats move no more.
+    frozen: list[str] = []
     refusal = os.environ.get("STUB_REFUSE_REQUESTS")
     if os.environ.get("STUB_GRANDCHILD"):
         state["grandchild"] = subprocess.Popen(["sleep", "3600"]).pid
@@ -240,23 +255,49 @@ def build_app(served_name: str, interval: float, startup_delay: float,
         return JSONResponse({"object": "list", "data": [{"id": served_name, "object": "model",
                                                          "max_model_len": engine["max_model_len"]}]})
 
-    async def metrics(_: Request) -> PlainTextResponse:
+    def render() -> str:
         blocks = kv_blocks()
         labels = f'model_name="{served_name}",engine="0"'
-        return PlainTextResponse(
+        usage = 0.01 + state["kv_tokens"] / (blocks * BLOCK_SIZE)
+        return (
             f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",num_gpu_blocks="{blocks}"}} 1.0\n'
             "# TYPE vllm:num_requests_running gauge\n"
             f"vllm:num_requests_running{{{labels}}} {state['open'] - state['waiting']}\n"
             "# TYPE vllm:num_requests_waiting gauge\n"
             f"vllm:num_requests_waiting{{{labels}}} {state['waiting']}\n"
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
-            f"vllm:kv_cache_usage_perc{{{labels}}} 0.01\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {usage!r}\n"
             "# TYPE vllm:num_preemptions counter\n"
             f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
             "# TYPE vllm:request_queue_time_seconds histogram\n"
             f"vllm:request_queue_time_seconds_sum{{{labels}}} {state['queue_time_sum']}\n"
             f"vllm:request_queue_time_seconds_count{{{labels}}} {state['queue_time_count']}\n"
         )
+
+    async def metrics(_: Request) -> PlainTextResponse:
+        return PlainTextResponse(frozen[0] if frozen else render())
+
+    def hang() -> None:
+        """The engine sticks: /metrics keeps what it says now."""
+        if not state["hung"]:
+            state["hung"] = True
+            frozen.append(render())
+            print("stub: hanging as told", flush=True)
+
+    async def prefill(n_in: int, computed: list[int]) -> None:
+        """Compute a prompt of ``n_in`` tokens in chunks, one step each, one prefill at a time
+        (``computed[0]``: its tokens in the KV cache so far)."""
+        async with prefilling:
+            while computed[0] < n_in:
+                if state["hung"]:
+                    await asyncio.sleep(3600)
+                chunk = min(prefill_chunk, n_in - computed[0])
+                await asyncio.sleep(prefill_s_per_token * chunk)
+                computed[0] += chunk
+                state["kv_tokens"] += chunk
+                state["chunks"] += 1
+                if stuck_after and state["chunks"] >= stuck_after:
+                    hang()
 
     async def connect(request: Request) -> JSONResponse:
         # A registered server learns its connector config after it started (a real one
@@ -284,6 +325,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
 
         async def stream() -> AsyncIterator[bytes]:
             state["open"] += 1
+            computed = [0]
             held: list[bytes] = []
             slot = None
             queued_at = time.monotonic()
@@ -299,21 +341,20 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                 if run_id:
                     await connector.admitted(run_id, params.get("decodebench_seeding") is True)
                 if hang_at and number >= hang_at:
-                    state["hung"] = True
-                    print("stub: hanging as told", flush=True)
+                    hang()
                     await asyncio.sleep(3600)
-                await asyncio.sleep(first_token_s)  # a prefill's silence
+                await asyncio.sleep(first_token_s)  # a prefill's silence, /metrics still
                 if prefill_s_per_token and connector.modes.get(run_id or "") != "fill":
-                    async with prefilling:  # one prefill at a time, as one engine step
-                        await asyncio.sleep(prefill_s_per_token * n_in)
+                    await prefill(n_in, computed)
                 for i in range(n_out):
                     if crash_after and number >= crash_after and i == n_out // 2:
                         print("stub: crashing mid-stream as told", flush=True)
                         os._exit(17)
                     # Once hung, the engine is stuck: every stream stops, new ones too.
+                    if stuck_after and state["hung"]:
+                        await asyncio.sleep(3600)
                     if hang_after and (i >= hang_after or state["hung"]):
-                        state["hung"] = True
-                        print("stub: hanging as told", flush=True)
+                        hang()
                         await asyncio.sleep(3600)
                     # A batch of more streams takes longer per step (STUB_ITL_SLOPE_S).
                     await asyncio.sleep(interval + slope * (state["open"] - state["waiting"]))
@@ -337,6 +378,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                     await connector.report()
             finally:
                 state["open"] -= 1
+                state["kv_tokens"] -= computed[0]
                 if slot is not None:
                     slot.release()
 

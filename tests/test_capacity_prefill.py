@@ -94,10 +94,13 @@ def test_a_measured_prefill_rate_is_what_the_stubs_queue_sustains_and_sizes_deco
     d = ratio["decode_requests_per_s"]
     assert d == pytest.approx(c_max / (8 * float(np.mean(tpots)) / 1000))
     assert ratio["ratio"] == pytest.approx(rate / d)
+    # Its range carries the prefill side's sure range (open at the top where no rate failed
+    # by an interval or a backlog), and holds the truth's P over D.
     low, high = ratio["ratio_range"]
-    assert low <= rate / d <= failing / d <= high
-    # The truth's P over D lies in the range.
-    assert low <= truth / d <= high
+    sure_low, sure_high = prefill["sure_tokens_per_s_range"]
+    assert low == pytest.approx(sure_low / 64 / ratio["decode_requests_per_s_range"][1])
+    assert (high is None) == (sure_high is None)
+    assert low <= truth / d and (high is None or truth / d <= high)
     assert ratio["sentence"].startswith(("1 decode server per ", f"{rate / d:.3g} decode server"))
     # The page shows the prefill side, the bracket and the planner's sentence.
     page = html.unescape(client.get(f"/capacity/{done['id']}").text)

@@ -174,20 +174,58 @@ def test_a_run_cancelled_on_a_hung_server_leaves_that_server_out(
     assert last["status"] == "succeeded" and last["worker_id"] == again["worker_id"]
 
 
-def test_a_long_silent_prefill_is_not_a_hang(stub_service: Any) -> None:
-    # Every stream is silent 3 s before its first token, six times the stall floor: a real
-    # prefill of 8,000 tokens is allowed 8 s before the first token (room for a busy
-    # machine), and three times the longest time to first token after it. A fill run's
-    # silence is seen once a driver beat (one a second) comes 0.5 s into it: 2.5 s hold two
-    # beats, so one a busy machine delays does not hide it.
-    client = stub_service({"STUB_FIRST_TOKEN_S": "3"}, stall_s=0.5)
-    spec = {**SMALL, "input_len": 8000, "num_prompts": 4, "max_concurrency": 1, "mode": "prefill"}
-    done = wait_finished(client, client.post("/api/runs", json=spec).json()["id"], timeout=60)
+# A prefill at 500 tokens/s in steps of 128 tokens (0.26 s each): half the speed the
+# watchdog used to allow before a first token (1,000 tokens/s).
+SLOW_PREFILL = {"STUB_PREFILL_S_PER_TOKEN": "0.002", "STUB_PREFILL_CHUNK": "128"}
+PREFILL_RUN = {**SMALL, "input_len": 2048, "output_len": 4, "num_prompts": 2, "max_concurrency": 2,
+               "mode": "prefill"}
+
+
+def test_a_slow_prefill_whose_server_shows_progress_completes_and_is_measured(
+        stub_service: Any) -> None:
+    # Two 2,048-token prompts, one prefill at a time: 4.1 s of silence before the first
+    # token, 8.2 s before the second's, against a stall limit of 2 s (the old rule allowed
+    # 2.05 s: the prompt at 1,000 tokens/s). The stub's /metrics moves after every chunk,
+    # as vLLM's does: the server is seen working, and nothing is declared hung.
+    client = stub_service(SLOW_PREFILL, stall_s=2)
+    done = wait_finished(client, client.post("/api/runs", json=PREFILL_RUN).json()["id"], timeout=90)
     assert done["status"] == "succeeded", done["error"]
-    # The same silence in a fill run, which has no prefill to wait for, is a hang.
-    fill = wait_finished(client, client.post("/api/runs", json={**spec, "mode": "fill"}).json()["id"],
-                         timeout=60)
-    assert fill["status"] == "failed" and "vLLM server hung" in fill["error"], fill["error"]
+    assert done["progress"]["completed"] == 2
+    ttfts = sorted(r["ttft"] for r in client.get(f"/api/runs/{done['id']}/requests").json())
+    assert ttfts[0] > 4.0 and ttfts[1] > 8.0, ttfts
+    worker = client.get(f"/api/workers/{done['worker_id']}").json()
+    assert worker["status"] != "failed", worker
+
+
+def test_a_prefill_whose_engine_sticks_is_a_hang(stub_service: Any) -> None:
+    # The same prefill, but the engine sticks after 4 chunks (about 1 s in): /health still
+    # answers and /metrics answers what it said then. Found a stall limit after that.
+    client = stub_service({**SLOW_PREFILL, "STUB_PREFILL_STUCK_AFTER": "4", "STUB_HANG_HEALTHY": "1"},
+                          stall_s=2)
+    started = time.monotonic()
+    done = wait_finished(client, client.post("/api/runs", json=PREFILL_RUN).json()["id"], timeout=60)
+    elapsed = time.monotonic() - started
+    assert done["status"] == "failed"
+    assert "vLLM server hung: none of the 2 open streams got a token" in done["error"], done["error"]
+    assert "its /metrics did not move" in done["error"]
+    assert "stub: hanging as told" in done["error"]
+    assert elapsed < 20, elapsed
+    worker = client.get(f"/api/workers/{done['worker_id']}").json()
+    assert worker["status"] == "failed" and "hung" in worker["error"]
+
+
+@pytest.mark.parametrize("mode", ["prefill", "fill"])
+def test_a_silence_without_progress_is_a_hang_whatever_the_run(stub_service: Any, mode: str) -> None:
+    # Every stream is silent 3 s before its first token while /metrics stands still, six
+    # times the stall limit: a prefill run (8,000-token prompts, which the old rule allowed
+    # 8 s) fails as a fill run does. A fill run's silence is seen once a driver beat (one
+    # a second) comes 0.5 s into it: 2.5 s hold two beats, so one a busy machine delays
+    # does not hide it.
+    client = stub_service({"STUB_FIRST_TOKEN_S": "3"}, stall_s=0.5)
+    spec = {**SMALL, "input_len": 8000, "num_prompts": 4, "max_concurrency": 1, "mode": mode}
+    done = wait_finished(client, client.post("/api/runs", json=spec).json()["id"], timeout=60)
+    assert done["status"] == "failed" and "vLLM server hung" in done["error"], done["error"]
+    assert "its /metrics did not move" in done["error"]
 
 
 def test_pauses_between_requests_of_a_slow_open_loop_are_not_a_hang(stub_service: Any) -> None:

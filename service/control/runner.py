@@ -47,7 +47,7 @@ from service.control.energy import EnergyMeter, energy_warnings
 from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
 from service.control.vllm_cli import cache_config, local_model_config
-from service.control.watchdog import Watchdog, stall_limit, still_serves
+from service.control.watchdog import Watchdog, blind_limit, still_serves
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
@@ -258,8 +258,9 @@ class Runner:
         handle, watchdog = self.handle, self.watchdog
         if handle is None or not handle.alive() or (watchdog is not None and watchdog.finding):
             return
-        limit = (watchdog.stall_limit() if watchdog is not None
-                 else stall_limit(self.settings, self.spec))
+        # One request's progress is not watched: its prefill gets the blind allowance.
+        limit = (watchdog.blind_limit() if watchdog is not None
+                 else blind_limit(self.settings, self.spec))
         if not await still_serves(self.fleet.client, handle, limit):
             log.warning("run %s: its server %s did not answer a one-token request after the "
                         "cancel; it takes no more runs", self.run_id, handle.id)

@@ -1,16 +1,29 @@
 """The watchdog of a run's server: it says when the server died, hung, or stopped
 answering while the run was being measured, and takes the server out of service.
 
-A hang is silence: streams open and none got a byte for ``stall_limit`` (the server's
-/health may still answer, as a stuck engine's API server does). Silence is counted by
-the load drivers (``LoadDrivers.quiet``) from the later of the last byte and the start
-of the oldest open stream, so pauses between requests of a slow open loop are not one.
+A hang is silence without progress: streams open, none got a byte, and the server's own
+``/metrics`` did not move, for ``stall_limit``. The server's /health may still answer, as
+a stuck engine's API server does. Silence is counted by the load drivers
+(``LoadDrivers.quiet``) from the later of the last byte and the start of the oldest open
+stream, so pauses between requests of a slow open loop are not one.
+
+Progress is what the engine shows between its steps (``EngineProgress``). A long prompt is
+computed in chunks, one engine step each, and vLLM's /metrics moves after every step, its
+first token or not: on vLLM 0.32 the gauges ``num_requests_running``/``waiting`` and
+``kv_cache_usage_perc`` are set from the scheduler's stats every step (a chunk's KV blocks
+raise the usage), while the token counters move only once a request has a token. A stuck
+engine steps no more and its /metrics stays as it was. So a prefill of any length, at any
+speed, is not a hang while its chunks come; one step longer than the limit is (chunked
+prefill off, or steps of more tokens than the machine computes in ``stall_s``): three
+times the run's longest time to first token, once it has one, allows for that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
+from collections.abc import Callable
 
 import httpx
 
@@ -22,29 +35,40 @@ from service.core.spec import RunSpec
 from service.settings import Settings
 
 WATCH_EVERY_S = 0.5
-# A stream may be silent for this many times the run's longest time to first token
-# before its worker counts as hung (``Settings.stall_s`` is the floor).
+# A server may be silent and still for this many times the run's longest time to first
+# token, or its longest engine step seen, before it counts as hung (``Settings.stall_s``
+# is the floor).
 STALL_TTFT_FACTOR = 3.0
-# Before a run's first token, a real prefill is allowed this slow (tokens per second): a
-# 131,072-token prompt gets 131 s. Far below any GPU's; about a 2-core CPU's for a 1B
-# model.
-SLOWEST_PREFILL_TOKENS_S = 1000.0
+# While every open stream is silent, the server's /metrics is read this many times per
+# stall limit, from a sixth of it on: a render costs the engine's cores on a CPU machine
+# (up to 0.7 s on 2 cores), so not on every tick, and never while tokens flow.
+PROGRESS_LOOKS = 6
+# Only for a server whose /metrics says nothing of its steps (no answer, or none of
+# vLLM's series: ``--disable-log-stats``): before a real prefill's first token it is
+# allowed this slow (tokens per second), as the watchdog cannot see its progress.
+BLIND_PREFILL_TOKENS_S = 1000.0
 
 
-def stall_limit(settings: Settings, spec: RunSpec, longest_ttft: float = 0.0,
+def stall_limit(settings: Settings, longest_ttft: float = 0.0, longest_step: float = 0.0) -> float:
+    """Seconds a server may go with every open stream silent and its /metrics still before
+    it has hung: ``stall_s``, or if more, three times the run's longest time to first token
+    so far (one engine step can hold a whole prompt's prefill, and nothing moves within a
+    step) or its longest engine step seen (a chunk of a prompt costs more the longer the
+    context before it)."""
+    return max(settings.stall_s, STALL_TTFT_FACTOR * longest_ttft, STALL_TTFT_FACTOR * longest_step)
+
+
+def blind_limit(settings: Settings, spec: RunSpec, longest_ttft: float = 0.0,
                 seeding: bool = False) -> float:
-    """Seconds without a byte on any open stream after which a run's worker has hung:
-    ``stall_s``, or more where a prefill may be that silent (one step of the engine can
-    hold a whole prompt's prefill, and every stream waits for it). That is three times
-    the run's longest time to first token so far; before the first, for a real prefill
-    (a prefill run, or a seeded run's ``seeding`` pass), its longest prompt at
-    ``SLOWEST_PREFILL_TOKENS_S``."""
-    if longest_ttft > 0:
-        return max(settings.stall_s, STALL_TTFT_FACTOR * longest_ttft)
-    if spec.mode == "prefill" or seeding:
+    """The limit where the server's progress cannot be seen (its /metrics says nothing; a
+    one-token request after a cancel): ``stall_limit``, or before the first token of a
+    real prefill (a prefill run, or a seeded run's ``seeding`` pass) its longest prompt at
+    ``BLIND_PREFILL_TOKENS_S`` if more."""
+    limit = stall_limit(settings, longest_ttft)
+    if longest_ttft <= 0 and (spec.mode == "prefill" or seeding):
         longest = math.floor(spec.input_len * (1 + spec.range_ratio))
-        return max(settings.stall_s, longest / SLOWEST_PREFILL_TOKENS_S)
-    return settings.stall_s
+        return max(limit, longest / BLIND_PREFILL_TOKENS_S)
+    return limit
 
 
 async def still_serves(client: httpx.AsyncClient, handle: WorkerHandle, limit: float) -> bool:
@@ -57,6 +81,52 @@ async def still_serves(client: httpx.AsyncClient, handle: WorkerHandle, limit: f
     except httpx.HTTPError:
         return False
     return response.status_code < 500
+
+
+class EngineProgress:
+    """Whether the server's /metrics moved during the current silence of its streams, and
+    when it last did: read every ``every`` seconds while the silence lasts (``look``),
+    forgotten when it ends (``reset``). A value that changed between two reads, any of the
+    series ``server_metrics.parse`` keeps, is progress; the time between two moves, the
+    server's step."""
+
+    def __init__(self, scraper: Scraper) -> None:
+        self.scraper = scraper
+        # The longest time between two moves of one silence (s): an engine step, or the
+        # time between reads if longer (a read every ``every`` s sees at most one move).
+        # Kept over the run's silences.
+        self.longest_step = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """A silence ended, or none began: what was read belongs to it."""
+        self.values: dict[str, float] | None = None
+        self.looked_at = -math.inf
+        # When the last read that found a value changed was made (None: none did).
+        self.moved_at: float | None = None
+        # Whether /metrics said anything kept in this silence (if not, the progress
+        # cannot be seen: ``blind_limit``).
+        self.answered = False
+
+    async def look(self, now: float, every: float) -> None:
+        """Read /metrics if ``every`` seconds passed since the last read (``now``:
+        ``time.monotonic``)."""
+        if now - self.looked_at < every:
+            return
+        self.looked_at = now
+        point = await self.scraper.scrape()
+        if point is None:
+            return
+        self.answered = True
+        if self.values is not None and point.values != self.values:
+            if self.moved_at is not None:
+                self.longest_step = max(self.longest_step, now - self.moved_at)
+            self.moved_at = now
+        self.values = point.values
+
+    def still_for(self, now: float, quiet: float) -> float:
+        """Seconds of the silence (``quiet``) since /metrics last moved."""
+        return quiet if self.moved_at is None else min(quiet, now - self.moved_at)
 
 
 class Watchdog:
@@ -78,6 +148,9 @@ class Watchdog:
         # The longest time to first token of the run so far (s): a prefill this long is
         # not a hang (see ``stall_limit``).
         self.longest_ttft = 0.0
+        self.scraper = Scraper(fleet.client, handle.url)
+        self.engine = EngineProgress(self.scraper)
+        self.now: Callable[[], float] = time.monotonic
         # What it found (hung, stopped answering), set before it takes the server down:
         # requests failing meanwhile must not read as the server exiting on its own.
         self.finding: WorkerError | None = None
@@ -90,28 +163,49 @@ class Watchdog:
             self.longest_ttft = sample.ttft
 
     def stall_limit(self) -> float:
-        """Seconds without a byte on any open stream after which the worker has hung (see
+        """Seconds of silence without progress after which the worker has hung (see
         ``stall_limit``)."""
-        return stall_limit(self.settings, self.spec, self.longest_ttft, self.seeding)
+        return stall_limit(self.settings, self.longest_ttft, self.engine.longest_step)
+
+    def blind_limit(self) -> float:
+        """The limit where the server's progress cannot be seen (see ``blind_limit``)."""
+        return blind_limit(self.settings, self.spec, self.longest_ttft, self.seeding)
 
     async def _stalled(self) -> WorkerError | None:
-        """A ``WorkerError`` when streams are open and none got a byte for ``stall_limit``
-        (the worker's /health may still answer: a stuck engine keeps its API server up)."""
+        """A ``WorkerError`` when streams are open, none got a byte and the server's
+        /metrics did not move for ``stall_limit`` (its /health may still answer: a stuck
+        engine keeps its API server up). /metrics is read only while every stream is
+        silent, ``PROGRESS_LOOKS`` times a limit."""
         progress = self.drivers.quiet()
         if progress is None:
             return None
         open_now, quiet = progress
         limit = self.stall_limit()
-        if open_now == 0 or quiet < limit:
+        every = max(WATCH_EVERY_S, limit / PROGRESS_LOOKS)
+        if open_now == 0 or quiet < every:
+            self.engine.reset()
             return None
+        now = self.now()
+        await self.engine.look(now, every)
+        if not self.engine.answered:
+            limit = max(limit, self.blind_limit())
+        still = self.engine.still_for(now, quiet)
+        if still < limit:
+            return None
+        if not self.engine.answered:
+            moved = "its /metrics said nothing of its progress"
+        elif self.engine.moved_at is None:
+            moved = "its /metrics did not move"
+        else:
+            moved = f"its /metrics did not move for {still:.0f} s"
         handle = self.handle
         said = await self._engine_says()
         tail = await asyncio.to_thread(handle.tail)
         self.finding = WorkerError(
             f"vLLM server hung{' during the seeding pass' if self.seeding else ''}: none of the "
-            f"{open_now} open streams got a token for {quiet:.0f} s "
-            f"(the limit: {limit:.0f} s; DECODEBENCH_STALL_S sets it, and it is more where a "
-            f"prefill may be that silent), while {said}; last log lines:\n{tail}"
+            f"{open_now} open streams got a token for {quiet:.0f} s and {moved} (the limit: "
+            f"{limit:.0f} s; DECODEBENCH_STALL_S sets it, or three times the run's longest "
+            f"time to first token or engine step if more), while {said}; last log lines:\n{tail}"
         )
         # Known before the stop: requests failing meanwhile must not read as the server
         # exiting on its own.
@@ -120,7 +214,7 @@ class Watchdog:
 
     async def _engine_says(self) -> str:
         """What the worker's /metrics says it is doing, in words for an error message."""
-        point = await Scraper(self.fleet.client, self.handle.url).scrape()
+        point = await self.scraper.scrape()
         if point is None:
             return "its /metrics did not answer"
         running = point.values.get(RUNNING)
