@@ -32,7 +32,6 @@ from service.control.placement import QueuedRow, place
 from service.control.runner import Runner, ensure_ended
 from service.control.until_decided import catch_up, follow_up
 from service.core.spec import RunSpec, describe
-from service.core.status import RunStatus
 from service.settings import Settings
 from service.storage import store
 from service.storage.tables import Run
@@ -67,6 +66,9 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Tasks of the loop's own that nothing else holds (asyncio keeps weak references).
         self._waiters: set[asyncio.Future[None]] = set()
+        # The looks of capacity searches after a probe failed unplaced, taken off the pass
+        # (``_fail_queued``); awaited at shutdown.
+        self._looks: set[asyncio.Task[None]] = set()
 
     async def recover(self) -> None:
         """Fail runs interrupted by a previous crash, stop its orphaned workers, take back
@@ -145,6 +147,8 @@ class Scheduler:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # Not cancelled: a look runs in a thread, which a cancel would leave running.
+        await asyncio.gather(*list(self._looks), return_exceptions=True)
 
     def alive(self) -> bool:
         """True while the loop task runs."""
@@ -290,15 +294,20 @@ class Scheduler:
             await self._fail_queued(run_id, error, run_id in in_capacity)
 
     async def _fail_queued(self, run_id: str, error: str, in_capacity: bool = False) -> None:
-        def fail() -> None:
-            # Through ``starting``: the status machine has no queued -> failed edge.
-            store.transition(self.engine, run_id, RunStatus.starting)
-            store.transition(self.engine, run_id, RunStatus.failed, error=error)
-
-        await asyncio.to_thread(fail)
+        """Fail a queued run this pass cannot place, in one guarded write; for a capacity
+        probe, start its search's look in a task of its own."""
+        await asyncio.to_thread(store.fail_queued, self.engine, run_id, error)
         if in_capacity:
             # No runner follows this run up: its search looks now, or it would wait forever.
-            await self._follow_capacity(run_id)
+            # Off the pass: a look (a bootstrap, or a wait for another search's look) would
+            # hold up every run queued behind this one.
+            look = asyncio.create_task(self._look_after(run_id), name=f"capacity-look-{run_id}")
+            self._looks.add(look)
+            look.add_done_callback(self._looks.discard)
+
+    async def _look_after(self, run_id: str) -> None:
+        await self._follow_capacity(run_id)
+        self.notify()  # the probes it queued
 
     async def _follow_capacity(self, run_id: str) -> None:
         """The look of the capacity search ``run_id`` is a probe of, after it ended."""

@@ -28,8 +28,11 @@ from service.core.spec import RunSpec, point_key
 from service.core.status import FINISHED, RunStatus, sources_of
 from service.storage.db import write_session
 from service.storage.measurements import SAVE_SLICE
-from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint, Worker
+from service.storage.tables import Baseline, CapacitySearch, Run, SampleRow, ServerMetricPoint, Worker
 from service.storage.workers import worker_facts
+
+# A capacity search still searching (``service.storage.capacity.ACTIVE``, which imports this module).
+SEARCH_ACTIVE = "active"
 
 
 def transition(engine: Engine, run_id: str, target: RunStatus, **fields: Any) -> bool:
@@ -42,6 +45,14 @@ def cancel_queued(engine: Engine, run_id: str, error: str) -> bool:
     meanwhile is its runner's to end (moved on behind it, the runner could still start a
     server for a cancelled run)."""
     return _move(engine, run_id, RunStatus.cancelled, {RunStatus.queued}, {"error": error})
+
+
+def fail_queued(engine: Engine, run_id: str, error: str) -> bool:
+    """Fail a queued run the scheduler cannot place (its stored spec no longer validates, no
+    server of this service could take it): the guarded move from ``queued`` only, in one
+    write. No runner ever had it, so it never passes through ``starting``; a run cancelled or
+    placed meanwhile is left as it is (False)."""
+    return _move(engine, run_id, RunStatus.failed, {RunStatus.queued}, {"error": error})
 
 
 def _move(engine: Engine, run_id: str, target: RunStatus, allowed: Collection[RunStatus],
@@ -275,7 +286,8 @@ def record_report(
 def delete_run(engine: Engine, run_id: str) -> None:
     """Delete a finished run with everything stored for it: its samples, server metric
     points and the baseline it is (a group's baseline goes with the group's last run).
-    NotFound for an unknown run, Conflict while it is not finished."""
+    NotFound for an unknown run, Conflict while it is not finished or while the capacity
+    search it is a probe of is still searching (its looks read every run it has)."""
     with write_session(engine) as session:
         run = session.get(Run, run_id)
         if run is None:
@@ -283,6 +295,12 @@ def delete_run(engine: Engine, run_id: str) -> None:
         if run.status not in FINISHED:
             raise Conflict(f"run {run_id} is {run.status}: cancel it first "
                            f"(POST /api/runs/{run_id}/cancel), then delete it")
+        search = session.get(CapacitySearch, run.capacity_id) if run.capacity_id is not None else None
+        if search is not None and search.status == SEARCH_ACTIVE:
+            raise Conflict(f"run {run_id} is a probe of capacity search {search.id}, which is still "
+                           f"searching: its looks read every run it has. Cancel the search first "
+                           f"(POST /api/capacity/{search.id}/cancel), or delete the whole search once "
+                           "it has ended")
         arms = [run_id]
         if run.group_id is not None:
             others = session.exec(

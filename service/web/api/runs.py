@@ -106,12 +106,17 @@ def check_size(request: Request, spec: RunSpec) -> None:
     if tokens <= limit:
         return
     named = "stop.max_prompts" if requests != spec.num_prompts else "num_prompts"
-    raise Invalid(
-        f"{named} x output_len is {requests:,} x {spec.output_len:,} = {tokens:,} output tokens; a run "
-        f"may ask for at most {limit:,} (DECODEBENCH_MAX_RUN_OUTPUT_TOKENS): the service holds every "
-        f"request's token gaps in memory while it measures and summarises a run, about "
-        f"{RUN_BYTES_PER_TOKEN} bytes a token ({tokens * RUN_BYTES_PER_TOKEN / 1e9:.1f} GB for this "
-        f"one). Split it into runs of fewer requests, or raise the limit where the memory is there")
+    raise Invalid(f"{named} x output_len is {requests:,} x {spec.output_len:,} = {tokens:,} output tokens; "
+                  f"{over_limit(limit, tokens)}. Split it into runs of fewer requests, or raise the limit "
+                  "where the memory is there")
+
+
+def over_limit(limit: int, tokens: int) -> str:
+    """Why a run of ``tokens`` output tokens, over ``limit``, is refused: the words of every
+    refusal by ``max_run_output_tokens`` (a run's, a sweep point's, a capacity search's)."""
+    return (f"a run may ask for at most {limit:,} (DECODEBENCH_MAX_RUN_OUTPUT_TOKENS): the service holds "
+            f"every request's token gaps in memory while it measures and summarises a run, about "
+            f"{RUN_BYTES_PER_TOKEN} bytes a token ({tokens * RUN_BYTES_PER_TOKEN / 1e9:.1f} GB for this one)")
 
 
 def check_model(request: Request, engine: Engine, model: str) -> None:
@@ -174,11 +179,13 @@ def get_run(run_id: str, engine: DB) -> RunPublic:
 @router.delete(
     "/api/runs/{run_id}", status_code=204, dependencies=ADMIN,
     responses={204: {"description": "Deleted, with its samples and driver logs"},
-               409: {"model": ErrorBody, "description": "The run has not finished: cancel it first"}},
+               409: {"model": ErrorBody, "description": "The run has not finished (cancel it first), "
+                                                        "or its capacity search is still searching"}},
 )
 def delete_run(run_id: str, request: Request, engine: DB, scheduler: Sched) -> Response:
     """Delete a finished run with its samples, server metrics, baseline mark and driver
-    logs; 409 while it is queued, starting or running (cancel it first)."""
+    logs; 409 while it is queued, starting or running (cancel it first), or while the
+    capacity search it is a probe of is still searching (cancel the search first)."""
     run = store.get_run(engine, run_id)
     if run.status in FINISHED and scheduler.handling(run_id):
         raise Conflict(f"run {run_id} is {run.status} but still saving what it measured; "
