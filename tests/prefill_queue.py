@@ -16,22 +16,26 @@ from service.core.sample import Sample
 from service.storage.tables import Run
 
 
-def queue_run(rate: float, service_s: float, n: int,
+def queue_run(rate: float, service_s: float | np.ndarray, n: int,
               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """``n`` requests at ``rate`` per second into an empty queue: their send times and TTFTs
-    (wait + service). Lindley's recursion W' = max(0, W + D - A), as a walk less its
-    running minimum."""
+    (wait + service). Lindley's recursion W' = max(0, W + S - A), as a walk less its
+    running minimum. ``service_s``: one service time, or service times seen, drawn from."""
     gaps = rng.exponential(1 / rate, n)
     sent = np.cumsum(gaps)
-    walk = np.cumsum(np.concatenate([[0.0], service_s - gaps[1:]]))
+    service = (np.full(n, float(service_s)) if np.isscalar(service_s)
+               else rng.choice(np.asarray(service_s, dtype=np.float64), n))
+    walk = np.cumsum(np.concatenate([[0.0], service[:-1] - gaps[1:]]))
     wait = walk - np.minimum.accumulate(np.minimum(walk, 0.0))
-    return sent, wait + service_s
+    return sent, wait + service
 
 
-def sustainable_rate(service_s: float, limit_s: float, q: float = 0.99, n: int = 400_000) -> float:
+def sustainable_rate(service_s: float | np.ndarray, limit_s: float, q: float = 0.99,
+                     n: int = 400_000) -> float:
     """The highest rate whose steady-state ``q`` TTFT is at most ``limit_s`` (bisected over
-    one long simulation per rate, common random numbers)."""
-    lo, hi = 0.01 / service_s, 1 / service_s
+    one long simulation per rate, common random numbers); ``service_s`` as ``queue_run``'s."""
+    mean = float(np.mean(service_s))
+    lo, hi = 0.01 / mean, 1 / mean
     for _ in range(40):
         mid = (lo + hi) / 2
         _, ttft = queue_run(mid, service_s, n, np.random.default_rng(1))

@@ -220,6 +220,8 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     started = time.monotonic()
     state: dict[str, Any] = {"requests": 0, "open": 0, "waiting": 0, "hung": False,
                              "queue_time_sum": 0.0, "queue_time_count": 0,
+                             # Seconds each prefill held the engine: the service times of its queue.
+                             "prefill_s": [],
                              "grandchild": None,
                              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                              "max_model_len_flag": max_model_len_flag,
@@ -288,6 +290,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
         """Compute a prompt of ``n_in`` tokens in chunks, one step each, one prefill at a time
         (``computed[0]``: its tokens in the KV cache so far)."""
         async with prefilling:
+            held = time.monotonic()
             while computed[0] < n_in:
                 if state["hung"]:
                     await asyncio.sleep(3600)
@@ -298,6 +301,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                 state["chunks"] += 1
                 if stuck_after and state["chunks"] >= stuck_after:
                     hang()
+            state["prefill_s"].append(time.monotonic() - held)
 
     async def connect(request: Request) -> JSONResponse:
         # A registered server learns its connector config after it started (a real one

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -38,7 +39,7 @@ def test_a_measured_prefill_rate_is_what_the_stubs_queue_sustains_and_sizes_deco
     # simulation of that queue sustains 14.2 requests/s. A fixed 32 requests a rate read
     # its backlog as a rate; runs of 15 s each (rate x 15 requests) show the queue grow.
     service_s, limit_ms = 0.050, 400.0
-    truth = sustainable_rate(service_s, limit_ms / 1000)
+    nominal = sustainable_rate(service_s, limit_ms / 1000)
     client = stub_service({**SLOPED, "STUB_PREFILL_S_PER_TOKEN": str(service_s / 64)})
     body = {"base": BASE, "input_lens": [64],
             "sla": {"metric": "decode_median_itl_ms", "max_ms": 35}, "max_concurrency": 4,
@@ -54,9 +55,6 @@ def test_a_measured_prefill_rate_is_what_the_stubs_queue_sustains_and_sizes_deco
     prefill = context["prefill"]
     assert prefill["state"] == "decided" and prefill["error"] is None
     rate, failing = prefill["max_rate"], prefill["first_failing_rate"]
-    # The measured rate is what the queue sustains: never above it by more than 10%
-    # (simulated searches of this judge: 0.77-1.08 of the truth, 90% within [0.85, 1.10]).
-    assert 0.75 * truth <= rate <= 1.10 * truth, (truth, prefill["probes"])
     assert rate < failing <= rate * 1.1
     rates = {p["request_rate"]: p for p in prefill["probes"]}
     assert prefill["runs"] == sum(len(p["run_ids"]) for p in rates.values())
@@ -77,7 +75,7 @@ def test_a_measured_prefill_rate_is_what_the_stubs_queue_sustains_and_sizes_deco
             assert probe["verdict"] == ("pass" if probe["p99_ttft_ms"] <= limit_ms else "fail")
     assert rates[rate]["verdict"] == "pass" and rates[failing]["verdict"] == "fail"
     # Every rate over the queue's by more than 10% failed.
-    over = [p for r, p in rates.items() if r > 1.1 * truth]
+    over = [p for r, p in rates.items() if r > 1.1 * nominal]
     assert over and all(p["verdict"] == "fail" for p in over)
     assert done["runs"] == context["runs"] + prefill["runs"]
     # P / D with P measured: the bracket, D from the boundary's mean TPOT over its trials.
@@ -94,6 +92,15 @@ def test_a_measured_prefill_rate_is_what_the_stubs_queue_sustains_and_sizes_deco
     d = ratio["decode_requests_per_s"]
     assert d == pytest.approx(c_max / (8 * float(np.mean(tpots)) / 1000))
     assert ratio["ratio"] == pytest.approx(rate / d)
+    # The queue's truth with the service times the stub really took (a busy machine makes
+    # its 50 ms longer): the measured rate against it, as above.
+    held = [t for w in client.get("/api/workers").json()
+            for t in httpx.get(f"{w['url']}/stub/requests").json()["prefill_s"]]
+    assert len(held) >= 200 and min(held) >= 0.95 * service_s
+    truth = sustainable_rate(np.array(held), limit_ms / 1000)
+    # The measured rate is what the queue sustains: never above it by more than 10%
+    # (simulated searches of this judge: 0.84-1.08 of the truth, 29 of 30 within [0.85, 1.10]).
+    assert 0.75 * truth <= rate <= 1.10 * truth, (truth, prefill["probes"])
     # Its range carries the prefill side's sure range (open at the top where no rate failed
     # by an interval or a backlog), and holds the truth's P over D.
     low, high = ratio["ratio_range"]
