@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from service.analysis.prefill_rate import rate_plan  # noqa: E402
-from service.core.capacity import rate_prompts  # noqa: E402
-from tests.prefill_queue import simulated_search, sustainable_rate  # noqa: E402
+from service.analysis.prefill_rate import rate_plan
+from service.core.capacity import rate_prompts
+from tests.prefill_queue import simulated_search, sustainable_rate
 
 # (service time s, p99 TTFT limit s): 2,048-token prompts at 16k tokens/s, limits 0.5-2 s.
 CASES = ((0.125, 1.0), (0.125, 0.5), (0.125, 2.0), (0.5, 4.0))
@@ -40,7 +40,8 @@ RULES = {"fixed 32": {"duration_s": 0.001, "min_prompts": 32},
 
 def main() -> None:
     """Print the table."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--searches", type=int, default=30)
     parser.add_argument("--precision", type=float, default=0.1)
     args = parser.parse_args()
@@ -62,9 +63,9 @@ def main() -> None:
                 seconds.append(_server_seconds(prefill, answer or start))
             r = np.array(ratios)
             inside = float(np.mean((r >= 0.85) & (r <= 1.10)))
-            print(f"{service_s:>9g} {limit_s:>7g} {truth:>7.3g} {name:>9} {np.median(r):>7.3f} {r.min():>6.3f} "
-                  f"{r.max():>6.3f} {inside:>6.0%} {sure / args.searches:>5.0%} {np.mean(runs):>5.1f} "
-                  f"{np.mean(seconds):>6.0f}")
+            print(f"{service_s:>9g} {limit_s:>7g} {truth:>7.3g} {name:>9} {np.median(r):>7.3f} "
+                  f"{r.min():>6.3f} {r.max():>6.3f} {inside:>6.0%} {sure / args.searches:>5.0%} "
+                  f"{np.mean(runs):>5.1f} {np.mean(seconds):>6.0f}")
 
 
 def _server_seconds(prefill: dict[str, Any], rate: float) -> float:
