@@ -3,12 +3,13 @@
 A thin facade in the way of vLLM's own connectors: in the scheduler process it
 builds a :class:`FillConnectorScheduler`, in each worker process a
 :class:`FillConnectorWorker`; everything else is inherited from vLLM's
-``DecodeBenchConnector``, which routes each hook to the side that owns it.
+``DecodeBenchConnector``, which routes each hook to the side that owns it. The three hooks
+around a forward pass also drive the worker's step clock (``connector.steps``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
@@ -40,6 +41,29 @@ class FillConnector(DecodeBenchConnector):  # type: ignore[misc]
             self.connector_scheduler = FillConnectorScheduler(vllm_config, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = FillConnectorWorker(vllm_config, kv_cache_config)
+
+    # The step clock (``connector.steps``): vLLM calls these three around every forward pass.
+
+    def bind_connector_metadata(self, connector_metadata: FillConnectorMetadata) -> None:
+        """The step's metadata: its forward runs next."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None and self.connector_worker.clock is not None:
+            self.connector_worker.clock.begin(getattr(connector_metadata, "step", None))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Fill this step's blocks; the fill's time is not the forward's."""
+        clock = self.connector_worker.clock if self.connector_worker is not None else None
+        if clock is not None:
+            clock.load_begin()
+        super().start_load_kv(forward_context, **kwargs)
+        if clock is not None:
+            clock.load_end()
+
+    def wait_for_save(self) -> None:
+        """After the step's forward (and any draft forward)."""
+        super().wait_for_save()
+        if self.connector_worker is not None and self.connector_worker.clock is not None:
+            self.connector_worker.clock.end()
 
     def shutdown(self) -> None:
         """Stop background threads and send the last counters."""

@@ -8,6 +8,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
     DecodeBenchConnectorMetadata,
 )
 
+from connector.steps import StepInfo
+
 
 @dataclass
 class FillConnectorMetadata(DecodeBenchConnectorMetadata):  # type: ignore[misc]
@@ -17,3 +19,5 @@ class FillConnectorMetadata(DecodeBenchConnectorMetadata):  # type: ignore[misc]
     fill_values: dict[str, tuple[float, float]] = field(default_factory=dict)
     # request_id -> decodebench run id, for the per-run fill report.
     run_ids: dict[str, str] = field(default_factory=dict)
+    # What this engine step holds, for the worker side's step clock (None: nothing computed).
+    step: StepInfo | None = None

@@ -28,6 +28,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAX_TRACKED_RUNS = 4096
+# Engine step rows held for the service at most (all runs): past it, the oldest go, counted
+# as ``steps_dropped``. About 60 bytes a row.
+MAX_PENDING_STEPS = 200_000
+# Step rows in one report at most, all runs: about 40 bytes each, well under the service's
+# 1 MiB body limit (it takes up to 20,000 a run); more go in the reports that follow at once.
+MAX_STEPS_PER_REPORT = 5_000
 # After soon(), wait this long for more changes before sending (one report, not many).
 SOON_S = 0.2
 MAX_NOTE_CHARS = 500
@@ -58,6 +64,9 @@ class Reporter:
         # Blocks filled per KV cache group, per run (sent as ``group_blocks``).
         self._groups: dict[str, dict[str, float]] = {}
         self._notes: dict[str, str] = {}
+        # Engine steps timed and not yet sent, per run (``connector.steps``).
+        self._steps: dict[str, list[list[float]]] = {}
+        self._pending_steps = 0
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
         # One flush at a time: close() flushes from the engine's thread while the report
@@ -81,6 +90,7 @@ class Reporter:
                 self._counters.pop(oldest)
                 self._notes.pop(oldest, None)
                 self._groups.pop(oldest, None)
+                self._pending_steps -= len(self._steps.pop(oldest, []))
                 self._dirty.discard(oldest)
         self._start()
 
@@ -93,6 +103,28 @@ class Reporter:
             self._dirty.add(run_id)
             self._counters.setdefault(run_id, {})
         self._start()
+
+    def add_step(self, run_id: str, row: list[float]) -> None:
+        """Keep one timed engine step of ``run_id`` for the next report (cheap: called once
+        a step on the engine's path)."""
+        with self._lock:
+            self._steps.setdefault(run_id, []).append(row)
+            self._pending_steps += 1
+            counters = self._counters.setdefault(run_id, {})
+            counters["steps_timed"] = counters.get("steps_timed", 0) + 1
+            self._dirty.add(run_id)
+            while self._pending_steps > MAX_PENDING_STEPS:
+                oldest = next(iter(self._steps))
+                lost = self._steps.pop(oldest)
+                self._pending_steps -= len(lost)
+                if oldest in self._counters:
+                    dropped = self._counters[oldest]
+                    dropped["steps_dropped"] = dropped.get("steps_dropped", 0) + len(lost)
+        self._start()
+
+    def step_dropped(self, run_id: str) -> None:
+        """A step of ``run_id`` that could not be timed."""
+        self.add(run_id, steps_dropped=1)
 
     def note(self, run_id: str, text: str) -> None:
         """Keep the latest reason a request of ``run_id`` was not treated as asked."""
@@ -186,8 +218,14 @@ class Reporter:
                 if run_id in self._groups:
                     runs[run_id]["group_blocks"] = dict(self._groups[run_id])
             self._dirty.clear()
+            steps = self._take_steps()
+        payload: dict[str, Any] = {"role": self.role, "rank": self.rank, "runs": runs}
+        if steps:
+            payload["steps"] = steps
         try:
-            self._post(url, {"role": self.role, "rank": self.rank, "runs": runs})
+            self._post(url, payload)
+            if self._steps:
+                self._wake.set()  # more steps than one report carries: the rest go next
             return sent_provenance
         except urllib.error.HTTPError as exc:
             if 400 <= exc.code < 500 and exc.code not in ASK_LATER:
@@ -196,19 +234,46 @@ class Reporter:
                                 "counters are sent again only once they change", exc)
                     self._refused_warned = True
                 return sent_provenance
-            self._resend(runs, url, exc)
+            self._resend(runs, steps, url, exc)
             return False
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            self._resend(runs, url, exc)
+            self._resend(runs, steps, url, exc)
             return False
 
-    def _resend(self, runs: dict[str, dict[str, Any]], url: str, exc: Exception) -> None:
-        """The service did not take a report: its runs go again at the next flush."""
+    def _take_steps(self) -> dict[str, list[list[float]]]:
+        """Up to ``MAX_STEPS_PER_REPORT`` oldest step rows, runs in the order they came,
+        taken off (under the lock)."""
+        taken: dict[str, list[list[float]]] = {}
+        room = MAX_STEPS_PER_REPORT
+        for run_id, rows in list(self._steps.items()):
+            if not rows:
+                continue
+            if room <= 0:
+                self._dirty.add(run_id)  # the next flush sends them
+                continue
+            taken[run_id], rest = rows[:room], rows[room:]
+            room -= len(taken[run_id])
+            self._steps[run_id] = rest
+            self._pending_steps -= len(taken[run_id])
+            if rest:
+                self._dirty.add(run_id)  # the next flush sends the rest
+        for run_id in [r for r, rows in self._steps.items() if not rows]:
+            self._steps.pop(run_id)
+        return taken
+
+    def _resend(self, runs: dict[str, dict[str, Any]], steps: dict[str, list[list[float]]],
+                url: str, exc: Exception) -> None:
+        """The service did not take a report: its runs, and their steps ahead of any timed
+        since, go again at the next flush."""
         if not self._warned:
             log.warning("could not report connector counters to %s: %s", url, exc)
             self._warned = True
         with self._lock:
             self._dirty.update(r for r in runs if r in self._counters)
+            for run_id, rows in steps.items():
+                if run_id in self._counters:
+                    self._steps[run_id] = rows + self._steps.get(run_id, [])
+                    self._pending_steps += len(rows)
 
     def close(self) -> None:
         """Send what is left and stop the thread."""

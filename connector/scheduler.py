@@ -43,6 +43,7 @@ from connector.metadata import FillConnectorMetadata
 from connector.params import DEFAULT_ATTEMPT_TIMEOUT_S, DEFAULT_DEADLINE_S, FillParams, ParamsClient
 from connector.provenance import build as build_provenance
 from connector.report import Reporter
+from connector.steps import StepTracker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,6 +112,8 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         # Values of requests whose blocks were selected this step, for the metadata.
         self._pending_values: dict[str, tuple[float, float]] = {}
         self._pending_runs: dict[str, str] = {}
+        # What each engine step holds, for the worker side to time (``connector.steps``).
+        self.steps = StepTracker()
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -155,6 +158,7 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
             if run_id is not None:
                 self._pending_runs[req_id] = run_id
         self._admitted.add(req_id)
+        self.steps.admitted(request, run_id)
         if run_id is None or params is None:
             return
         if readmitted:
@@ -179,11 +183,12 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         self.reporter.add(run_id, **counts)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FillConnectorMetadata:
-        """Blocks to fill this step and the values for each request."""
+        """Blocks to fill this step, the values for each request, and what the step holds."""
         meta = FillConnectorMetadata(
             reqs_to_fill=dict(self._pending_fills),
             fill_values=dict(self._pending_values),
             run_ids=dict(self._pending_runs),
+            step=self.steps.observe(scheduler_output),
         )
         self._pending_fills.clear()
         self._pending_values.clear()
@@ -200,6 +205,7 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         self._waited.discard(req_id)
         self._pending_values.pop(req_id, None)
         self._pending_runs.pop(req_id, None)
+        self.steps.finished(req_id)
         run_id = run_id_of(request)
         if run_id is not None:
             # The service reads a run's counters once its last request is done: send soon.

@@ -28,6 +28,7 @@ from connector import roofline
 from connector.metadata import FillConnectorMetadata
 from connector.provenance import cpu_model
 from connector.report import Reporter
+from connector.steps import StepClock
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -194,10 +195,18 @@ class FillConnectorWorker(DecodeBenchConnectorWorker):  # type: ignore[misc]
             role="worker",
             rank=_tp_rank(),
         )
+        # Engine steps timed on TP rank 0 (every rank runs the same steps), unless the
+        # server's ``step_timing`` is false; made once the caches say the device.
+        self.timing = bool(config.get_from_extra_config("step_timing", True)) and self.reporter.rank == 0
+        self.clock: StepClock | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep the KV caches; on TP rank 0, report the roofline's facts once."""
+        """Keep the KV caches; on TP rank 0, start the step clock on their device and
+        report the roofline's facts once."""
         super().register_kv_caches(kv_caches)
+        if self.timing:
+            device = next((t.device for t in kv_caches.values() if isinstance(t, torch.Tensor)), None)
+            self.clock = StepClock(self.reporter.add_step, self.reporter.step_dropped, device)
         if self.reporter.provenance_url is None or self.reporter.rank != 0:
             return
         try:

@@ -3,6 +3,7 @@ sets: a refusal (4xx) is not sent again, a failure (5xx, no answer) is."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -20,12 +21,15 @@ class Control:
     def __init__(self) -> None:
         self.status = 403
         self.posts = 0
+        self.bodies: list[dict[str, Any]] = []
         control = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 control.posts += 1
+                if control.status < 300:
+                    control.bodies.append(json.loads(body))
                 self.send_response(control.status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -76,3 +80,29 @@ def test_a_report_the_service_could_not_take_is_sent_again(control: Control, rep
     control.status = 204
     taken = _posts_settle(control)
     assert _posts_settle(control) == taken
+
+
+def test_timed_steps_reach_the_service_once_each_in_order_after_a_failure(control: Control) -> None:
+    from connector import report
+
+    control.status = 503
+    reporter = Reporter(control.url, "token", "worker", 0, interval_s=0.02)
+    try:
+        total = report.MAX_STEPS_PER_REPORT * 2 + 10
+        for n in range(total):
+            reporter.add_step("r-a", [n, 4, 0, 4000 + n, 0, 1.5])
+        time.sleep(0.3)
+        assert control.posts > 0 and control.bodies == []  # the service failed: nothing taken
+        control.status = 204
+        deadline = time.monotonic() + 10
+        while sum(len(b.get("steps", {}).get("r-a", [])) for b in control.bodies) < total:
+            assert time.monotonic() < deadline, len(control.bodies)
+            time.sleep(0.02)
+        sent = [row[0] for b in control.bodies for row in b.get("steps", {}).get("r-a", [])]
+        assert sent == list(range(total))  # each once, oldest first
+        # No report carried more than its share, and the counters say how many were timed.
+        largest = max(len(b.get("steps", {}).get("r-a", [])) for b in control.bodies)
+        assert largest <= report.MAX_STEPS_PER_REPORT
+        assert control.bodies[-1]["runs"]["r-a"]["steps_timed"] == total
+    finally:
+        reporter.close()

@@ -18,8 +18,12 @@ from pydantic import (
 )
 
 from service.core.spec import Int, Strict
+from service.core.steps import MAX_REPORT_STEPS, STEP_FIELDS, StepRow
 
 Counter = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]
+# One engine step on the wire: its numbers in the order of ``steps.STEP_FIELDS``.
+StepWire = Annotated[list[Annotated[float, Field(ge=0, le=1e15, allow_inf_nan=False)]],
+                     Field(min_length=len(STEP_FIELDS), max_length=len(STEP_FIELDS))]
 
 
 class RunCounters(Strict):
@@ -42,6 +46,10 @@ class RunCounters(Strict):
     # Blocks filled per KV cache group (its index as a string, JSON's key type).
     group_blocks: dict[Annotated[str, Field(pattern=r"^[0-9]{1,4}$")], Counter] | None = Field(
         default=None, max_length=256)
+    # Engine steps timed for the run, and steps the connector could not keep (its buffer
+    # full while the service did not answer): the worker side of TP rank 0.
+    steps_timed: Counter | None = None
+    steps_dropped: Counter | None = None
 
 
 class ConnectorReport(Strict):
@@ -50,10 +58,18 @@ class ConnectorReport(Strict):
     role: Literal["scheduler", "worker"]
     rank: Int = Field(ge=0, le=1024)
     runs: dict[Annotated[str, Field(max_length=64)], RunCounters] = Field(max_length=4096)
+    # Engine steps timed since the last report, per run: rows of ``steps.STEP_FIELDS``.
+    steps: dict[Annotated[str, Field(max_length=64)],
+                Annotated[list[StepWire], Field(max_length=MAX_REPORT_STEPS)]] | None = Field(
+        default=None, max_length=4096)
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per run, the counters that were sent."""
         return {run: c.model_dump(exclude_none=True) for run, c in self.runs.items()}
+
+    def step_rows(self) -> dict[str, list[StepRow]]:
+        """Per run, the steps that were sent."""
+        return {run: [StepRow.from_wire(row) for row in rows] for run, rows in (self.steps or {}).items()}
 
 
 SCHEDULER_COUNTERS = ("requests_seen", "filled_requests", "prefill_requests", "seeding_requests",
@@ -84,6 +100,9 @@ def connector_totals(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
             groups[index] = max(groups.get(index, 0), int(blocks))
     total["group_blocks"] = dict(sorted(groups.items(), key=lambda kv: int(kv[0])))
     total["worker_ranks"] = len(workers)
+    # Engine steps timed (TP rank 0 times them) and lost before the service had them.
+    total["steps_timed"] = int(sum(c.get("steps_timed", 0) for c in workers))
+    total["steps_dropped"] = int(sum(c.get("steps_dropped", 0) for c in workers))
     errors = [str(c["error"]) for c in schedulers if c.get("error")]
     total["error"] = errors[0] if errors else None
     return total

@@ -26,9 +26,10 @@ from service.core.errors import Conflict, NotFound, shown
 from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec, point_key
 from service.core.status import FINISHED, RunStatus
+from service.storage.cascade import delete_runs
 from service.storage.db import write_session
 from service.storage.store import SEARCH_ACTIVE, queue_in_order, status_counts
-from service.storage.tables import Baseline, CapacitySearch, Run, SampleRow, ServerMetricPoint
+from service.storage.tables import CapacitySearch, Run
 
 ACTIVE = SEARCH_ACTIVE
 
@@ -205,9 +206,6 @@ def delete_search(engine: Engine, search_id: str) -> list[str]:
                            f"it first (POST /api/capacity/{search_id}/cancel), then delete it")
         ids = [r.id for r in runs]
         arms = ids + sorted({r.group_id for r in runs if r.group_id})
-        session.exec(delete(SampleRow).where(col(SampleRow.run_id).in_(ids)))
-        session.exec(delete(ServerMetricPoint).where(col(ServerMetricPoint.run_id).in_(ids)))
-        session.exec(delete(Baseline).where(col(Baseline.arm).in_(arms)))
-        session.exec(delete(Run).where(col(Run.id).in_(ids)))
+        delete_runs(session, ids, arms)
         session.exec(delete(CapacitySearch).where(col(CapacitySearch.id) == search_id))
         return ids

@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine, and_, delete, func, or_, update
+from sqlalchemy import Engine, and_, func, or_, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -26,9 +26,10 @@ from service.core.ids import new_id, utcnow
 from service.core.sample import Sample
 from service.core.spec import RunSpec, point_key
 from service.core.status import FINISHED, RunStatus, sources_of
+from service.storage.cascade import delete_runs
 from service.storage.db import write_session
 from service.storage.measurements import SAVE_SLICE
-from service.storage.tables import Baseline, CapacitySearch, Run, SampleRow, ServerMetricPoint, Worker
+from service.storage.tables import CapacitySearch, Run, SampleRow, Worker
 from service.storage.workers import worker_facts
 
 # A capacity search still searching (``service.storage.capacity.ACTIVE``, which imports this module).
@@ -308,10 +309,7 @@ def delete_run(engine: Engine, run_id: str) -> None:
             ).one()
             if not others:
                 arms.append(run.group_id)
-        session.exec(delete(SampleRow).where(col(SampleRow.run_id) == run_id))
-        session.exec(delete(ServerMetricPoint).where(col(ServerMetricPoint.run_id) == run_id))
-        session.exec(delete(Baseline).where(col(Baseline.arm).in_(arms)))
-        session.exec(delete(Run).where(col(Run.id) == run_id))
+        delete_runs(session, [run_id], arms)
 
 
 def snapshot_provenance(engine: Engine, run_id: str, worker_id: str, load_format: str,

@@ -14,9 +14,10 @@ from service.core.ids import new_id
 from service.core.spec import MAX_REPEATS, RunSpec, point_key
 from service.core.status import FINISHED
 from service.core.sweep import MAX_SWEEP_RUNS, SweepCreate, TrialsCreate
+from service.storage.cascade import delete_runs
 from service.storage.db import write_session
 from service.storage.store import queue_in_order, status_counts, trial_runs
-from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint, Sweep
+from service.storage.tables import Run, Sweep
 
 
 def _spec_value(spec: dict[str, Any], key: str) -> Any:
@@ -231,9 +232,6 @@ def delete_sweep(engine: Engine, sweep_id: str) -> list[str]:
                            f"(POST /api/sweeps/{sweep_id}/cancel), then delete it")
         ids = [r.id for r in runs]
         arms = ids + sorted({r.group_id for r in runs if r.group_id})
-        session.exec(delete(SampleRow).where(col(SampleRow.run_id).in_(ids)))
-        session.exec(delete(ServerMetricPoint).where(col(ServerMetricPoint.run_id).in_(ids)))
-        session.exec(delete(Baseline).where(col(Baseline.arm).in_(arms)))
-        session.exec(delete(Run).where(col(Run.id).in_(ids)))
+        delete_runs(session, ids, arms)
         session.exec(delete(Sweep).where(col(Sweep.id) == sweep_id))
         return ids

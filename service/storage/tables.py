@@ -190,3 +190,39 @@ class ServerMetricPoint(SQLModel, table=True):
     run_id: str = SQLField(foreign_key="run.id")
     t: float
     values: dict[str, float] = SQLField(sa_column=Column(JSON, nullable=False))
+
+
+class StepTiming(SQLModel, table=True):
+    """One engine step of a run's server as its connector timed it
+    (``service.core.steps``): the first ``MAX_STEP_ROWS`` of a run, keyed by the step's
+    number on the server, so a report sent twice is stored once."""
+
+    __tablename__ = "step_timing"
+
+    run_id: str = SQLField(foreign_key="run.id", primary_key=True)
+    step: int = SQLField(primary_key=True)
+    decode_requests: int
+    prefill_tokens: int
+    kv_tokens: int
+    first: int
+    forward_ms: float
+
+
+class StepBin(SQLModel, table=True):
+    """A run's steps past ``MAX_STEP_ROWS``, summed by kind, batch (decode requests) and
+    KV tokens within 1% (``kv_bin``); ``last_step`` is the newest step in it, so a report
+    sent again adds nothing."""
+
+    __tablename__ = "step_bin"
+
+    run_id: str = SQLField(foreign_key="run.id", primary_key=True)
+    kind: str = SQLField(primary_key=True)
+    decode_requests: int = SQLField(primary_key=True)
+    kv_bin: int = SQLField(primary_key=True)
+    count: int
+    prefill_tokens_sum: float
+    kv_tokens_sum: float
+    first_sum: float
+    forward_ms_sum: float
+    forward_ms_sq_sum: float
+    last_step: int

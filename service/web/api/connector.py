@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from service.core.errors import Conflict, NotFound, shown
 from service.core.protocol import ConnectorReport, FillAnswer, WorkerProvenance
 from service.core.spec import RunSpec, describe
-from service.storage import store, workers
+from service.storage import steps, store, workers
 from service.storage.tables import Run, Worker
 from service.web.auth import require_worker
 from service.web.deps import DB, Sched
@@ -48,9 +48,11 @@ def connector_report(
     scheduler: Sched,
     worker: Annotated[Worker, Depends(require_worker)],
 ) -> Response:
-    """Cumulative fill counters from a worker's connector, per run it served; each run's
-    runner hears of it."""
+    """Cumulative fill counters from a worker's connector, per run it served, and the engine
+    steps it timed since its last report; each run's runner hears of it."""
     store.record_report(engine, worker.id, f"{report.role}:{report.rank}", report.counters())
+    if report.steps:
+        steps.record_steps(engine, worker.id, report.step_rows())
     for run_id in report.runs:
         scheduler.reported(run_id)
     return Response(status_code=204)
