@@ -575,21 +575,31 @@ def cancel(ctx: click.Context, item_id: str) -> None:
 @cli.command("export")
 @click.argument("sweep_id")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--format", "form", type=click.Choice(["vllm-sweep", "dynamo"]), default="vllm-sweep",
+              show_default=True, help="vllm-sweep: the layout `vllm bench sweep serve` writes; dynamo: "
+              "the decode profile NVIDIA Dynamo's SLA planner loads.")
+@click.option("--mode", type=click.Choice(["fill", "prefill", "seeded"]), default=None,
+              help="With --format dynamo: only the runs of this mode (a sweep over mode).")
 @click.pass_context
-def export_sweep(ctx: click.Context, sweep_id: str, directory: Path) -> None:
+def export_sweep(ctx: click.Context, sweep_id: str, directory: Path, form: str, mode: str | None) -> None:
     """Write a sweep (s-...) or a capacity search's probes (c-...) in the layout `vllm bench
     sweep serve` writes (run=N.json per trial, summary.json per point, summary.csv), for
-    `decodebench plot DIRECTORY` (vLLM's sweep plot) and vLLM's `plot_pareto`."""
+    `decodebench plot DIRECTORY` (vLLM's sweep plot) and vLLM's `plot_pareto`; with `--format
+    dynamo`, as NVIDIA Dynamo's decode profile (selected_decode_interpolation/raw_data.npz
+    and manifest.json), a directory for its planner's --profile-results-dir."""
     kind = "capacity" if sweep_id.startswith("c-") else "sweeps"
-    response = client_of(ctx).call("GET", f"/api/{kind}/{sweep_id}/export", params={"format": "vllm-sweep"})
+    params = {"format": form, **({"mode": mode} if mode else {})}
+    response = client_of(ctx).call("GET", f"/api/{kind}/{sweep_id}/export", params=params)
     with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
         for name in archive.namelist():
             target = (directory / name).resolve()
             if not target.is_relative_to(directory.resolve()):
                 fail(f"the export holds a path outside {directory}: {name}")
         archive.extractall(directory)
-        console.print(f"wrote {len(archive.namelist())} files under {directory}; draw them with "
-                      f"`decodebench plot {directory}`", highlight=False, soft_wrap=True)
+        then = ("give it to Dynamo's planner as its profile results directory (the decode half)"
+                if form == "dynamo" else f"draw them with `decodebench plot {directory}`")
+        console.print(f"wrote {len(archive.namelist())} files under {directory}; {then}",
+                      highlight=False, soft_wrap=True)
 
 
 # What ``decodebench plot`` draws unless told otherwise: the steady decode figure a

@@ -22,8 +22,8 @@ from service.core.capacity import (
 from service.core.errors import Conflict, Invalid
 from service.core.status import FINISHED, MEASURED
 from service.storage import capacity, logs
-from service.web import capacity_view, vllm_sweep
-from service.web.api.exports import csv_attachment
+from service.web import capacity_view, dynamo_export, vllm_sweep
+from service.web.api.exports import DynamoMode, csv_attachment, dynamo_response
 from service.web.api.runs import cancel_one, check_backend, check_fits, check_model, over_limit
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
@@ -121,27 +121,35 @@ def get_capacity(search_id: str, engine: DB, prefill_tokens_per_s: PrefillRate =
 @router.get(
     "/api/capacity/{search_id}/export", response_model=None, dependencies=READ,
     responses={200: {"description": "the search's probes as CSV, or as JSON {search, columns, rows}; "
-                                    "or (vllm-sweep) a zip of the directory vllm bench sweep serve writes",
+                                    "or (vllm-sweep) a zip of the directory vllm bench sweep serve writes; "
+                                    "or (dynamo) a zip of NVIDIA Dynamo's decode profile",
                      "content": {"text/csv": {}, "application/json": {}, "application/zip": {}}}},
 )
 def export_capacity(search_id: str, engine: DB,
-                    format: Literal["csv", "json", "vllm-sweep"] = "csv",
-                    prefill_tokens_per_s: PrefillRate = None, detailed: bool = False) -> Response:
+                    format: Literal["csv", "json", "vllm-sweep", "dynamo"] = "csv",
+                    prefill_tokens_per_s: PrefillRate = None, detailed: bool = False,
+                    mode: DynamoMode = None) -> Response:
     """A capacity search as one table, a row per probe (its verdict, SLA figure and decode
     rates with intervals, runs) beside its input length's answer: CSV, or JSON with the
     search as ``GET /api/capacity/{id}`` answers it (and P / D at the prefill rate given).
     ``vllm-sweep``: a zip of the directory ``vllm bench sweep serve`` writes, a folder per
     probe (input length, concurrency), for ``vllm bench sweep plot`` and ``plot_pareto``;
-    a capped probe's runs are failures there. 409 until a probe run has numbers."""
+    a capped probe's runs are failures there. ``dynamo``: a zip of the decode profile NVIDIA
+    Dynamo's SLA planner loads, a point per probe (a capped probe's runs left out). 409
+    until a probe run has numbers."""
     search = capacity_view.capacity_public(engine, search_id, prefill_tokens_per_s)
     name = f"decodebench-{search_id}"
+    held_out = {run_id: f"the probe at {p.concurrency} was capped: {p.capped}"
+                for c in search.contexts for p in c.probes if p.capped for run_id in p.run_ids}
+    if format == "dynamo":
+        _, runs = capacity.get_search(engine, search_id)
+        return dynamo_response(name, dynamo_export.archive(
+            engine, f"capacity search {search_id}", runs, mode=mode, held_out=held_out))
     if format == "vllm-sweep":
         stored, runs = capacity.get_search(engine, search_id)
         if not any(r.status in MEASURED and r.summary is not None for r in runs):
             raise Conflict(f"no probe run of capacity search {search_id} has finished with numbers "
                            "yet: nothing to export")
-        held_out = {run_id: f"the probe at {p.concurrency} was capped: {p.capped}"
-                    for c in search.contexts for p in c.probes if p.capped for run_id in p.run_ids}
         return StreamingResponse(
             vllm_sweep.archive(engine, capacity_view.sweep_keys(stored.base), runs, detailed, held_out),
             media_type="application/zip",

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import Engine
 
 from service.analysis import server_metrics
@@ -60,6 +60,17 @@ def csv_attachment(name: str, columns: Sequence[str], rows: Iterable[Mapping[str
     """``rows`` as a CSV download named ``name.csv``, written as they come."""
     return StreamingResponse(_csv_lines(columns, rows), media_type="text/csv",
                              headers={"Content-Disposition": f'attachment; filename="{name}.csv"'})
+
+
+# A sweep's or a search's export as Dynamo's decode profile measured in one mode only.
+DynamoMode = Annotated[Literal["fill", "prefill", "seeded"] | None, Query(description=(
+    "With format=dynamo: only the runs of this mode (a sweep over mode measured each point in each)"))]
+
+
+def dynamo_response(name: str, zipped: bytes) -> Response:
+    """A zip of Dynamo's decode profile (``service.web.dynamo_export``) as a download."""
+    return Response(zipped, media_type="application/zip",
+                    headers={"Content-Disposition": f'attachment; filename="{name}-dynamo.zip"'})
 
 
 def csv_row(s: Sample, mode: str) -> dict[str, Any]:

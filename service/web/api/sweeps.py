@@ -15,8 +15,8 @@ from service.core.errors import Conflict
 from service.core.status import FINISHED, MEASURED
 from service.core.sweep import SweepCreate, TrialsCreate
 from service.storage import logs, sweeps
-from service.web import sweep_view, vllm_sweep
-from service.web.api.exports import csv_attachment
+from service.web import dynamo_export, sweep_view, vllm_sweep
+from service.web.api.exports import DynamoMode, csv_attachment, dynamo_response
 from service.web.api.runs import cancel_one, check_backend, check_fits, check_model, check_size
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
@@ -86,18 +86,25 @@ def add_trials(sweep_id: str, body: TrialsCreate, engine: DB, scheduler: Sched) 
 @router.get(
     "/api/sweeps/{sweep_id}/export", response_model=None, dependencies=READ,
     responses={200: {"description": "the sweep's points as CSV, or as JSON {sweep, columns, rows}; "
-                                    "or (vllm-sweep) a zip of the directory vllm bench sweep serve writes",
+                                    "or (vllm-sweep) a zip of the directory vllm bench sweep serve writes; "
+                                    "or (dynamo) a zip of NVIDIA Dynamo's decode profile",
                      "content": {"text/csv": {}, "application/json": {}, "application/zip": {}}}},
 )
 def export_sweep(
-    sweep_id: str, engine: DB, format: Literal["csv", "json", "vllm-sweep"] = "csv",
-    detailed: bool = False,
+    sweep_id: str, engine: DB, format: Literal["csv", "json", "vllm-sweep", "dynamo"] = "csv",
+    detailed: bool = False, mode: DynamoMode = None,
 ) -> Response:
     """The sweep's points as one table, one row per point with each figure's 95% interval: CSV
     or JSON. ``vllm-sweep``: a zip of the directory ``vllm bench sweep serve`` writes (a
     folder per point, ``run=N.json`` per trial, ``summary.json``, ``summary.csv``), for
     ``vllm bench sweep plot``; ``detailed`` keeps every per-request list in the run files,
-    as ``--save-detailed`` does. Runs not finished yet are left out; 409 until one has numbers."""
+    as ``--save-detailed`` does. ``dynamo``: a zip of the decode profile NVIDIA Dynamo's SLA
+    planner loads (``selected_decode_interpolation/raw_data.npz``, ``manifest.json``).
+    Runs not finished yet are left out; 409 until one has numbers."""
+    if format == "dynamo":
+        _, runs = sweeps.get_sweep(engine, sweep_id)
+        return dynamo_response(f"decodebench-{sweep_id}", dynamo_export.archive(
+            engine, f"sweep {sweep_id}", runs, mode=mode))
     if format == "vllm-sweep":
         sweep, runs = sweeps.get_sweep(engine, sweep_id)
         if not any(r.status in MEASURED and r.summary is not None for r in runs):
