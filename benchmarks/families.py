@@ -9,9 +9,13 @@ family, from the product's own answers:
 - start: seconds from the sweep's POST to its first run measuring (the server's start);
 - fill and prefill median TPOT (mean over trials) and the sweep's paired verdict on decode
   TPOT fill/prefill (``service.analysis.fill_verdict``: the interval over pairs);
-- the share of the memory-bandwidth floor the fill runs reached (``pct_of_roofline``).
+- the share of the memory-bandwidth floor the fill runs reached (``pct_of_roofline``);
+- the fidelity ledger's row for the model (``GET /api/fidelity``): fill/prefill of predicted
+  engine step time at matched decode steps, timed inside vLLM by the connector, its decision
+  against +-5%, and the client-side error beside it (MAPE of median ITL).
 
-Last line: ``families: N of M matched within +-5%``.
+Last lines: ``families: N of M matched within +-5%`` (client side) and ``ledger: N of M
+decided within +-5%`` (engine steps).
 """
 
 from __future__ import annotations
@@ -78,7 +82,10 @@ def one_family(work: Path, name: str, layers: int, engine: dict[str, Any],
                 roofline.append(float(share))
         verdict = next(v for v in sweep["fill_vs_prefill"])
         tpot_ratio = next(c for c in verdict["ratios"] if c["metric"] == "decode_median_tpot_ms")
-    return {"family": shapes.SHAPES[name].family, "layers": layers, "start_s": started or float("nan"),
+        ledger = next((row for row in api.get("/api/fidelity").json()["models"]
+                       if row["model"] == base["model"]), None)
+    return {"ledger": ledger, "family": shapes.SHAPES[name].family, "layers": layers,
+            "start_s": started or float("nan"),
             "fill_ms": float(np.mean(tpot["fill"])), "prefill_ms": float(np.mean(tpot["prefill"])),
             "ratio": tpot_ratio["ratio"], "ci": tpot_ratio["ci"], "verdict": verdict["verdict"],
             "pairs": verdict["pairs"], "roofline_pct": float(np.mean(roofline)) if roofline else float("nan")}
@@ -111,6 +118,22 @@ def main() -> None:
               f"{r['prefill_ms']:8.2f} {ci:>24} {r['verdict']:>10} {r['roofline_pct']:11.1f}")
     matched = sum(r["verdict"] == "matches" for r in rows.values())
     print(f"families: {matched} of {len(rows)} matched within +-5%")
+    print("\nThe fidelity ledger (engine steps timed inside vLLM, GET /api/fidelity):")
+    print(f"{'shape':<20} {'steps fill/prefill [95%]':>26} {'decided':>8} {'within 5%':>10} "
+          f"{'pairs':>6} {'MAPE median ITL %':>18}")
+    within = 0
+    for name, r in rows.items():
+        row = r["ledger"]
+        if row is None or row.get("ratio") is None:
+            print(f"{name:<20} {'(no row)':>26} {(row or {}).get('notes')}")
+            continue
+        v, lo, hi = row["ratio"]
+        within += bool(row["decided"] and row["within_5pct"])
+        mape = row["mape_median_itl_pct"]
+        print(f"{name:<20} {f'{v:.3f} [{lo:.3f}, {hi:.3f}]':>26} {row['decided']!s:>8} "
+              f"{row['within_5pct']!s:>10} {row['pairs']:>6} "
+              f"{mape if mape is not None else float('nan'):18.2f}")
+    print(f"ledger: {within} of {len(rows)} decided within +-5%")
 
 
 if __name__ == "__main__":

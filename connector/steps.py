@@ -83,23 +83,31 @@ class StepTracker:
         scheduled = out.num_scheduled_tokens
         spec = out.scheduled_spec_decode_tokens
         cached = out.scheduled_cached_reqs
-        computed: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
-        computed += list(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        prompt_len, run_of, decoded = self._prompt_len, self._run, self._decoded
         decode = prefill = kv = first = 0
-        runs: set[str | None] = set()
-        for req_id, done in computed:
+        # The run of the step's first request; ``mixed`` once another (or none) shows.
+        run_id: str | None = None
+        seen = mixed = False
+        new = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+        for req_id, done in (*new, *zip(cached.req_ids, cached.num_computed_tokens, strict=False)):
             tokens = scheduled.get(req_id, 0)
-            prompt = self._prompt_len.get(req_id)
-            runs.add(self._run.get(req_id))
+            prompt = prompt_len.get(req_id)
+            run = run_of.get(req_id)
+            if not seen:
+                run_id, seen = run, True
+            elif run != run_id:
+                mixed = True
             kv += done + tokens
-            if prompt is not None and done >= prompt - 1 and tokens <= 1 + len(spec.get(req_id, ())):
+            if prompt is not None and done >= prompt - 1 and (
+                    tokens == 1 or tokens <= 1 + len(spec.get(req_id, ()))):
                 decode += 1
-                if req_id not in self._decoded:
-                    self._decoded.add(req_id)
+                if req_id not in decoded:
+                    decoded.add(req_id)
                     first += 1
             else:
                 prefill += tokens
-        run_id = next(iter(runs)) if len(runs) == 1 else None
+        if mixed:
+            run_id = None
         return StepInfo(self.step, run_id, decode, prefill, kv, first)
 
 

@@ -65,6 +65,15 @@ command line (token hidden) and environment, and with ``STUB_ROOFLINE`` (JSON) t
 model's sizes and bandwidth; ``STUB_NO_PROVENANCE`` leaves that out.
 What it pulls and reports are the service's own protocol types (``service.core.protocol``),
 from this checkout, so a change of the protocol shows here too.
+
+``STUB_STEP_MS`` (JSON ``{"fixed": ms, "per_kv": ns, "per_req": ms, "noise": fraction}``, and
+``"first"``, first steps' time as a multiple of a decode step's, 1 by default) makes it time
+engine steps as the connector's worker side does: every ``STUB_TOKEN_INTERVAL_S`` while
+streams run, one step from its real state (the streams decoding, each reading its prompt and
+the tokens it sent so far; a stream's first step is ``first``; in a ``prefill`` run, a
+prefill step of its prompt before), numbered upward, whose forward time is that truth times
+(1 + noise x a normal draw). The worker report sends each run's new steps
+(``ConnectorReport.steps``).
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -105,6 +115,7 @@ from service.core.protocol import (
     RunCounters,
     WorkerProvenance,
 )
+from service.core.steps import MAX_REPORT_STEPS
 
 BLOCK_SIZE = 16
 # The length of a model whose config the stub cannot read.
@@ -121,6 +132,10 @@ class Connector:
         self.counters: dict[str, dict[str, int]] = {}
         self.lock = asyncio.Lock()
         self._http: httpx.AsyncClient | None = None
+        # Engine steps timed per run since the last report (rows of ``STEP_FIELDS``), and
+        # how many in all.
+        self.steps: dict[str, list[list[float]]] = {}
+        self.steps_timed: dict[str, int] = {}
 
     def http(self) -> httpx.AsyncClient:
         """One client for the stub's life: a new httpx client builds a TLS context (its CA
@@ -193,10 +208,19 @@ class Connector:
             return
         scheduler = ConnectorReport(role="scheduler", rank=0, runs={
             run: RunCounters(**c) for run, c in self.counters.items()})
+        steps, self.steps = self.steps, {}
+        # Steps beyond what one report may carry go in reports of their own.
+        chunks: list[dict[str, list[list[float]]]] = []
+        while any(steps.values()):
+            chunks.append({run: rows[:MAX_REPORT_STEPS] for run, rows in steps.items() if rows})
+            steps = {run: rows[MAX_REPORT_STEPS:] for run, rows in steps.items()}
         worker = ConnectorReport(role="worker", rank=0, runs={
-            run: RunCounters(requests_filled=c.get("filled_requests", 0))
-            for run, c in self.counters.items()})
-        for report in (scheduler, worker):
+            run: RunCounters(requests_filled=c.get("filled_requests", 0),
+                             steps_timed=self.steps_timed.get(run))
+            for run, c in self.counters.items()}, steps=chunks[0] if chunks else None)
+        reports = [scheduler, worker, *(ConnectorReport(role="worker", rank=0, runs={}, steps=chunk)
+                                        for chunk in chunks[1:])]
+        for report in reports:
             await self.http().post(f"{self.url}/api/connector/report", headers=self.headers,
                                    json=report.model_dump(exclude_none=True))
 
@@ -207,10 +231,48 @@ def build_app(served_name: str, interval: float, startup_delay: float,
     """The stub's app; ``max_model_len_flag``: its ``--max-model-len`` as given."""
     connector = Connector(kv_transfer_config, engine)
 
+    # STUB_STEP_MS: the truth of the engine steps it times; the streams those steps read.
+    step_truth = json.loads(os.environ["STUB_STEP_MS"]) if os.environ.get("STUB_STEP_MS") else None
+    streams: dict[int, dict[str, Any]] = {}
+
+    async def time_steps() -> None:
+        """An engine step every token interval while streams run, from what they hold now."""
+        assert step_truth is not None
+        draw = random.Random(os.getpid())
+        number = 0
+        while True:
+            await asyncio.sleep(max(interval, 0.002))
+            held = list(streams.values())
+            if not held:
+                continue
+            prefill = [s for s in held if s["prefill"]]
+            decoding = [s for s in held if not s["prefill"]]
+            kv = sum(s["n_in"] + s["tokens"] for s in decoding)
+            first = sum(1 for s in decoding if s["first"])
+            prefill_tokens = sum(s["n_in"] for s in prefill)
+            ms = (step_truth["fixed"] + step_truth["per_kv"] * kv / 1e6
+                  + step_truth["per_req"] * len(decoding))
+            if prefill_tokens:
+                ms += 0.001 * prefill_tokens
+            elif first:
+                ms *= step_truth.get("first", 1.0)
+            ms *= max(0.05, 1 + step_truth.get("noise", 0.0) * draw.gauss(0.0, 1.0))
+            row = [float(number), float(len(decoding)), float(prefill_tokens), float(kv), float(first), ms]
+            for run in {s["run"] for s in held}:
+                connector.steps.setdefault(run, []).append(row)
+                connector.steps_timed[run] = connector.steps_timed.get(run, 0) + 1
+            for s in held:
+                s["first"] = s["prefill"]
+                s["prefill"] = False
+            number += 1
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await connector.send_provenance()
+        ticker = asyncio.create_task(time_steps()) if step_truth is not None else None
         yield
+        if ticker is not None:
+            ticker.cancel()
 
     max_running = int(os.environ.get("STUB_MAX_RUNNING", "0"))
     if max_num_seqs:
@@ -350,6 +412,9 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                 await asyncio.sleep(first_token_s)  # a prefill's silence, /metrics still
                 if prefill_s_per_token and connector.modes.get(run_id or "") != "fill":
                     await prefill(n_in, computed)
+                if step_truth is not None and run_id:
+                    streams[id(held)] = {"run": run_id, "n_in": n_in, "tokens": 0, "first": True,
+                                         "prefill": connector.modes.get(run_id) == "prefill"}
                 for i in range(n_out):
                     if crash_after and number >= crash_after and i == n_out // 2:
                         print("stub: crashing mid-stream as told", flush=True)
@@ -365,10 +430,14 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                     chunk = {"id": "cmpl-stub", "object": "text_completion",
                              "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
                     event = f"data: {json.dumps(chunk)}\n\n".encode()
+                    if id(held) in streams:
+                        streams[id(held)]["tokens"] = i + 1
                     if bunched:
                         held.append(event)
                     else:
                         yield event
+                # Its steps are all timed before the report that sends them.
+                streams.pop(id(held), None)
                 if held:
                     yield b"".join(held)
                 usage = {"prompt_tokens": n_in, "completion_tokens": n_out,
@@ -381,6 +450,7 @@ def build_app(served_name: str, interval: float, startup_delay: float,
                 if run_id:
                     await connector.report()
             finally:
+                streams.pop(id(held), None)
                 state["open"] -= 1
                 state["kv_tokens"] -= computed[0]
                 if slot is not None:

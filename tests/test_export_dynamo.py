@@ -214,3 +214,23 @@ def test_the_step_model_goes_in_when_given_and_the_cli_writes_the_profile(client
     with np.load(directory / "selected_decode_interpolation" / "raw_data.npz") as raw:
         assert raw["z_itl"].shape == (4,) and raw["max_kv_tokens"].shape == (1,)
     assert json.loads((directory / "manifest.json").read_text())["source"] == f"sweep {sweep['id']}"
+
+
+def test_the_export_carries_each_runs_step_model_where_its_server_timed_steps(stub_service: Any) -> None:
+    # The stub times its steps at a known cost, as the connector inside vLLM does.
+    truth = {"fixed": 5.0, "per_kv": 400.0, "per_req": 0.8, "noise": 0.02}
+    client = stub_service({"STUB_STEP_MS": json.dumps(truth), "STUB_TOKEN_INTERVAL_S": "0.01"})
+    base = {"input_len": 512, "output_len": 48, "num_prompts": 6, "max_concurrency": 3}
+    sweep = client.post("/api/sweeps", json={"base": base, "grid": {"input_len": [256, 512]}}).json()
+    assert all(wait_finished(client, r["id"])["status"] == "succeeded" for r in sweep["runs"])
+    _, manifest, zipped = _export(client, f"/api/sweeps/{sweep['id']}/export")
+    assert dynamo_export.STEP_REGRESSION_PATH in zipped.namelist()
+    regression = json.loads(zipped.read(dynamo_export.STEP_REGRESSION_PATH))
+    assert set(regression["runs"]) == {r["id"] for r in sweep["runs"]}
+    for run_id, model in regression["runs"].items():
+        # What GET /api/runs/{id}/steps says of the run, coefficient for coefficient.
+        steps = client.get(f"/api/runs/{run_id}/steps").json()
+        assert model["fixed_ms"] == pytest.approx(steps["fixed_ms"])
+        assert model["ns_per_kv_token"] == pytest.approx(steps["ns_per_kv_token"])
+        assert model["input_len"] == client.get(f"/api/runs/{run_id}").json()["spec"]["input_len"]
+    assert dynamo_export.STEP_REGRESSION_PATH in manifest["files"]

@@ -221,6 +221,38 @@ def scatter(points: Sequence[tuple[float, float]], title: str, xlabel: str, ylab
     return frame.done()
 
 
+def fitted_scatter(groups: Mapping[str, Sequence[tuple[float, float]]],
+                   fits: Mapping[str, Sequence[tuple[float, float]]],
+                   marked: Mapping[str, Sequence[tuple[float, float]]], title: str, xlabel: str,
+                   ylabel: str) -> Markup:
+    """Dots per named group with a fitted line in the group's colour (``fits``, same names,
+    drawn dashed, or none), and points ``marked`` apart as open rings in colours of their
+    own; one legend below the axis. The y axis ends at the 99th percentile of every point
+    (times 1.2), so a few slow outliers do not flatten the rest: those are drawn at its top."""
+    every = [p for pts in (*groups.values(), *marked.values()) for p in pts
+             if math.isfinite(p[0]) and math.isfinite(p[1])]
+    if not every:
+        return empty(title)
+    xs = [p[0] for p in every]
+    top = float(np.quantile([p[1] for p in every], 0.99)) * 1.2 or 1.0
+    frame = _Frame(title, xlabel, ylabel, (min(0.0, min(xs)), max(xs)), (0.0, top))
+    colors = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(groups)}
+    for name, pts in groups.items():
+        frame.parts.extend(f'<circle cx="{frame.px(x):.1f}" cy="{frame.py(min(y, top)):.1f}" r="2" '
+                           f'fill="{colors[name]}" fill-opacity="0.6"/>' for x, y in pts)
+        frame.legend.append((name, colors[name]))
+    for name, line in fits.items():
+        path = " ".join(f"{frame.px(x):.1f},{frame.py(min(y, top)):.1f}" for x, y in line)
+        frame.parts.append(f'<polyline points="{path}" class="line fit" fill="none" '
+                           f'stroke="{colors.get(name, PALETTE[-1])}" stroke-width="2"{DASH}/>')
+    for i, (name, pts) in enumerate(marked.items()):
+        color = PALETTE[(len(groups) + i) % len(PALETTE)]
+        frame.parts.extend(f'<circle class="marked" cx="{frame.px(x):.1f}" cy="{frame.py(min(y, top)):.1f}" '
+                           f'r="4" fill="none" stroke="{color}" stroke-width="1.5"/>' for x, y in pts)
+        frame.legend.append((name, color))
+    return frame.done()
+
+
 def _finite(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 

@@ -39,10 +39,13 @@ from service.analysis.decode_surface import (
     itl_of,
     steady_kv_usage,
 )
+from service.analysis.intervals import Interval
 from service.analysis.server_metrics import KV_USAGE
+from service.analysis.step_model import fit
 from service.core.errors import Conflict
 from service.core.status import MEASURED
 from service.storage import measurements, workers
+from service.storage.steps import run_steps
 from service.storage.tables import Run
 
 NPZ_PATH = "selected_decode_interpolation/raw_data.npz"
@@ -270,11 +273,46 @@ def npz_bytes(points: Sequence[SurfacePoint], max_kv_tokens: int) -> bytes:
     return out.getvalue()
 
 
+def _listed(interval: Interval | None) -> list[float] | None:
+    return None if interval is None else [interval.value, interval.lo, interval.hi]
+
+
+def stored_step_models(engine: Engine) -> StepRegression:
+    """The step regression of runs as stored: each run's step model
+    (``service.analysis.step_model``) fitted on the steps its connector timed; None when no
+    run has a model."""
+
+    def regression(runs: Sequence[Run]) -> dict[str, Any] | None:
+        models: dict[str, Any] = {}
+        for run in runs:
+            model = fit(run_steps(engine, run.id))
+            if model.fixed_ms is None:
+                continue
+            spec = run.spec or {}
+            models[run.id] = {
+                "input_len": spec.get("input_len"), "max_concurrency": spec.get("max_concurrency"),
+                "decode_steps": model.steps, "batch": model.batch,
+                "fixed_ms": _listed(model.fixed_ms), "ns_per_kv_token": _listed(model.ns_per_kv_token),
+                "ms_per_request": _listed(model.ms_per_request),
+                "first_step_ratio": _listed(model.first_step_ratio),
+                "method": model.method, "notes": list(model.notes)}
+        if not models:
+            return None
+        return {"model": "wall_time_ms = fixed_ms + ns_per_kv_token * 1e-6 * sum_decode_kv_tokens "
+                         "+ ms_per_request * decode_requests (fixed_ms alone holds the per-request "
+                         "cost at `batch` where ms_per_request is null)", "runs": models}
+
+    return regression
+
+
 def archive(engine: Engine, what: str, runs: Sequence[Run], *, mode: str | None = None,
             held_out: Mapping[str, str] | None = None,
             step_regression: StepRegression | None = None) -> bytes:
     """The zip of Dynamo's decode profile of ``runs`` with its manifest; with
-    ``step_regression``, the step model it returns for the surface's runs as well."""
+    ``step_regression``, the step model it returns for the surface's runs as well (by
+    default each run's fitted on its stored steps, ``stored_step_models``)."""
+    if step_regression is None:
+        step_regression = stored_step_models(engine)
     try:
         points, manifest = surface(engine, what, runs, mode=mode, held_out=held_out)
     except (LookupError, TypeError, ValueError) as exc:
@@ -283,13 +321,12 @@ def archive(engine: Engine, what: str, runs: Sequence[Run], *, mode: str | None 
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as zipped:
         zipped.writestr(NPZ_PATH, npz_bytes(points, int(manifest["max_kv_tokens"])))
-        if step_regression is not None:
-            used = {t.run_id for p in points for t in p.trials}
-            model = step_regression([r for r in runs if r.id in used])
-            if model is not None:
-                zipped.writestr(STEP_REGRESSION_PATH, json.dumps(model, indent=2))
-                manifest["files"][STEP_REGRESSION_PATH] = (
-                    "per run, the engine step model sum_decode_kv_tokens -> wall_time, each "
-                    "coefficient as [value, lo, hi]")
+        used = {t.run_id for p in points for t in p.trials}
+        model = step_regression([r for r in runs if r.id in used])
+        if model is not None:
+            zipped.writestr(STEP_REGRESSION_PATH, json.dumps(model, indent=2))
+            manifest["files"][STEP_REGRESSION_PATH] = (
+                "per run, the engine step model sum_decode_kv_tokens -> wall_time, each "
+                "coefficient as [value, lo, hi]")
         zipped.writestr(MANIFEST_PATH, json.dumps(manifest, indent=2))
     return out.getvalue()

@@ -253,6 +253,40 @@ class ServerMetricsPublic(BaseModel):
     summary: ServerMetricsSummary
 
 
+class StepPoint(BaseModel):
+    """One engine step of a run (``count`` > 1: a bin of steps, with their means)."""
+
+    step: int
+    kind: Literal["decode", "first", "prefill"]
+    decode_requests: int
+    kv_tokens: float
+    forward_ms: float
+    count: int = 1
+
+
+class StepModelPublic(BaseModel):
+    """A run's step model (``service.analysis.step_model``): forward time (ms) = ``fixed_ms``
+    + ``ns_per_kv_token`` x KV tokens / 1e6 + ``ms_per_request`` x decode requests, fitted to
+    its ``steps`` decode steps. Each figure is ``[value, lo, hi]`` (95%), or null where the run
+    cannot tell it (``notes`` say why; ``batch``: where the batch never moved, the one
+    ``fixed_ms`` holds at). ``first_step_ratio``: first steps' time over the model's
+    prediction. ``points``: up to 2,000 decode steps and 500 first steps, evenly spaced."""
+
+    steps: int
+    first_steps: int
+    prefill_steps: int
+    fixed_ms: list[float] | None
+    ns_per_kv_token: list[float] | None
+    ms_per_request: list[float] | None
+    first_step_ratio: list[float] | None
+    batch: int | None = None
+    prefill_ms: float | None = None
+    scale_ms: float | None = None
+    method: str
+    notes: list[str]
+    points: list[StepPoint]
+
+
 class Figure(BaseModel):
     """A figure with its interval and the interval's confidence."""
 
@@ -474,3 +508,44 @@ class CapacityList(BaseModel):
     total: int
     limit: int
     offset: int
+
+
+class FidelityRow(BaseModel):
+    """The fidelity ledger of one model (``model`` null: of a family, pooling its models'
+    rows): fill against real prefill on their step models at matched decode steps
+    (``service.analysis.fidelity_ledger``). ``ratio`` is ``[value, lo, hi]`` of predicted
+    step time fill/prefill, 95%; ``within_5pct`` True when the interval lies inside [0.95,
+    1.05], False when wholly outside, null with ``decided`` false when it straddles an edge.
+    ``runs``: the pairs' run ids (fill, prefill); ``sweep``: the sweep they came from
+    (a model's newest with step timings). ``mape_median_itl_pct``: the client-side error,
+    mean over pairs of |fill - prefill| / prefill of vLLM's median ITL, in percent."""
+
+    model: str | None
+    family: str
+    sweep: str | None
+    ratio: list[float] | None
+    decided: bool
+    within_5pct: bool | None
+    runs: list[str]
+    pairs: int
+    mape_median_itl_pct: float | None
+    method: str
+    notes: list[str]
+
+
+class ReferenceFigure(BaseModel):
+    """A published figure the ledger's error can be set against: its source's, not ours."""
+
+    source: str
+    figure: str
+    what: str
+
+
+class FidelityPublic(BaseModel):
+    """The fidelity ledger per model and per family, the band it decides against and the
+    reference figures others publish."""
+
+    band: list[float]
+    models: list[FidelityRow]
+    families: list[FidelityRow]
+    reference: list[ReferenceFigure]

@@ -9,14 +9,17 @@ from service.web.api import (
     compare,
     connector,
     exports,
+    fidelity,
     health,
     imports,
     models,
     runs,
+    steps,
     sweeps,
     workers,
 )
 
 router = APIRouter()
-for part in (runs, exports, imports, sweeps, capacity, compare, workers, models, connector, health):
+for part in (runs, steps, exports, imports, sweeps, capacity, compare, fidelity, workers, models, connector,
+             health):
     router.include_router(part.router)

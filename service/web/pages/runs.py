@@ -17,13 +17,16 @@ from sqlalchemy import Engine
 
 from service.analysis import comparison, server_metrics
 from service.analysis.metrics import measured
+from service.analysis.step_model import StepModel, fit, predict
 from service.core.capacity import SLA_METRICS
 from service.core.protocol import connector_totals
 from service.core.shapes import catalogue
 from service.core.spec import EXTRA_ARGS, effective_load_format
 from service.core.status import FINISHED, RunStatus
-from service.storage import capacity, measurements, store, sweeps, workers
+from service.storage import capacity, measurements, steps, store, sweeps, workers
+from service.storage.tables import Run
 from service.web import charts
+from service.web.api.steps import MAX_FIRST_POINTS, MAX_POINTS, points, why_none
 from service.web.deps import DB, Sched
 from service.web.pages.render import PAGE, between, failure_cause, spec_facts, templates
 from service.web.starting import starting_view
@@ -163,6 +166,7 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
             "group": group,
             "baseline": baseline,
             "charts": chart_list,
+            "steps": steps_view(engine, run),
             "server_view": server_view(measurements.server_points(engine, run_id), values.starts,
                                        values.latencies),
             "worker": worker,
@@ -209,4 +213,49 @@ def server_view(points: Sequence[Mapping[str, Any]], start_times: Sequence[float
         "Server view", "seconds since the run's first request",
         sampled={"running (server)", "waiting (server)", "KV cache used (server)"},
     )
+
+
+
+# Batches a run's steps chart colours apart (the most common ones); the rest share a colour.
+STEP_BATCHES = 6
+
+
+def steps_view(engine: Engine, run: Run) -> dict[str, Any]:
+    """A run's step model for its page: the chart of forward time against KV tokens (decode
+    steps by batch, with the fitted lines; first steps marked apart), the figures with their
+    intervals, the notes; or only why there is none."""
+    rows = steps.run_steps(engine, run.id)
+    if not rows:
+        return {"none": why_none(run)}
+    model = fit(rows)
+    decode = points([r for r in rows if r.kind == "decode"], MAX_POINTS)
+    first = points([r for r in rows if r.kind == "first"], MAX_FIRST_POINTS)
+    by_batch: dict[int, list[tuple[float, float]]] = {}
+    for p in decode:
+        by_batch.setdefault(p.decode_requests, []).append((p.kv_tokens, p.forward_ms))
+    shown = sorted(sorted(by_batch, key=lambda b: -len(by_batch[b]))[:STEP_BATCHES])
+    groups = {f"batch {b}": by_batch[b] for b in shown}
+    rest = [xy for b, pts in by_batch.items() if b not in shown for xy in pts]
+    if rest:
+        groups["other batches"] = rest
+    fits = {f"batch {b}": line for b in shown if (line := _fit_line(model, b, by_batch[b]))}
+    chart = charts.fitted_scatter(
+        groups, fits, {"first steps": [(p.kv_tokens, p.forward_ms) for p in first]} if first else {},
+        "Forward time per engine step", "KV tokens read by the step", "forward time (ms)")
+    return {"chart": chart, "model": model, "figures": _figures(model)}
+
+
+def _fit_line(model: StepModel, batch: int, pts: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The model's line at ``batch`` over the KV tokens its steps read; empty where it cannot say."""
+    ends = [min(x for x, _ in pts), max(x for x, _ in pts)]
+    line = [(kv, at.value) for kv in ends if (at := predict(model, batch, kv)) is not None]
+    return line if len(line) == 2 else []
+
+
+def _figures(model: StepModel) -> list[tuple[str, Any, str]]:
+    """(name, interval or None, unit) for the page's table."""
+    return [("fixed", model.fixed_ms, "ms" if model.batch is None else f"ms at batch {model.batch}"),
+            ("per KV token", model.ns_per_kv_token, "ns"),
+            ("per request", model.ms_per_request, "ms"),
+            ("first step / predicted", model.first_step_ratio, "ratio")]
 
