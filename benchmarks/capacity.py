@@ -18,8 +18,9 @@ boundary is not known there, so the search and the scan are compared with each o
 10 levels x 3 runs, ``--vllm-prompts`` requests a run) on a plain server of the same model,
 stopped after that many seconds; its boundary is read off its median TPOT per level.
 
-Prints runs, wall time and boundary of each, and whether they agree (within one step of
-the scan's grid). Run: ``python benchmarks/capacity.py`` (under the vLLM lock with ``--real``).
+Prints runs (the search's: mean, least and most over its searches), wall time and
+boundary of each, and whether they agree (within one step of the scan's grid). Run:
+``python benchmarks/capacity.py`` (under the vLLM lock with ``--real``).
 """
 
 from __future__ import annotations
@@ -213,15 +214,15 @@ def main() -> None:
     else:
         print(f"stub: ITL 10 ms + 10 ms per stream; limit decode_median_itl_ms <= {LIMIT_MS:g} ms; "
               f"true boundary {TRUE_BOUNDARY}")
-    print(f"{'method':<34} {'runs':>10} {'wall s':>16} {'boundary':>12}")
+    print(f"{'method':<34} {'runs':>14} {'wall s':>16} {'boundary':>12}")
     runs = [f["runs"] for f in found]
     walls = [f["wall_s"] for f in found]
-    spread = (f"{min(runs)}-{max(runs)}",
+    spread = (f"{statistics.mean(runs):.1f} ({min(runs)}-{max(runs)})",
               f"{statistics.median(walls):.0f} ({min(walls):.0f}-{max(walls):.0f})")
-    print(f"{'search (a), ' + str(len(found)) + ' times':<34} {spread[0]:>10} {spread[1]:>16} "
+    print(f"{'search (a), ' + str(len(found)) + ' times':<34} {spread[0]:>14} {spread[1]:>16} "
           f"{','.join(str(f['boundary']) for f in found):>12}")
     if scanned is not None:
-        print(f"{'uniform scan (b), 10 x 3':<34} {scanned['runs']:>10} {scanned['wall_s']:>16.0f} "
+        print(f"{'uniform scan (b), 10 x 3':<34} {scanned['runs']:>14} {scanned['wall_s']:>16.0f} "
               f"{scanned['boundary']:>12}")
         step = {b: i for i, b in enumerate(LEVELS)}
         agree = all(abs(step.get(f["boundary"], -9) - step[scanned["boundary"]]) <= 1 for f in found)
@@ -232,7 +233,7 @@ def main() -> None:
                  f"; search exact: {all(f['boundary'] == TRUE_BOUNDARY for f in found)}"))
         print("scan means (ms): " + ", ".join(f"{c}: {v:.1f}" for c, v in scanned["means"].items()))
     if swept is not None:
-        print(f"{'vllm serve_workload (c)':<34} {swept['runs']:>10} {swept['wall_s']:>16.0f} "
+        print(f"{'vllm serve_workload (c)':<34} {swept['runs']:>14} {swept['wall_s']:>16.0f} "
               f"{swept['boundary'] if swept['boundary'] is not None else '-':>12}"
               + ("" if swept["finished"] else f"  (stopped after {args.vllm_sweep:g} s, unfinished)"))
         print("serve_workload median TPOT means (ms): "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 from scipy import optimize, stats
@@ -33,14 +34,16 @@ def step_s(c: int) -> float:
     return BASE * (1 + SLOPE * c) * (KNEE if c >= KNEE_AT else 1.0)
 
 
-def trial(rng: np.random.Generator, c: int, sigma: float, index: int = 0) -> list[Sample]:
+def trial(rng: np.random.Generator, c: int, sigma: float, index: int = 0,
+          step: Callable[[int], float] = step_s) -> list[Sample]:
     """One probe run at ``c`` on the stand-in, as a load driver records it: waves of ``c``
-    requests started together, each request's gaps its wave's steps."""
+    requests started together, each request's gaps its wave's steps (``step``: a step's
+    time at a concurrency in the typical run, the stand-in's own by default)."""
     n = probe_prompts(c)
     waves = -(-n // c)
     factor = math.exp(sigma * rng.standard_normal())
     shape = (waves, OUTPUT_LEN - 1)
-    steps = (step_s(c) * factor * np.exp(JITTER * rng.standard_normal(shape))
+    steps = (step(c) * factor * np.exp(JITTER * rng.standard_normal(shape))
              * np.where(rng.random(shape) < TAIL_SHARE, TAIL_FACTOR, 1.0))
     out: list[Sample] = []
     start = float(index) * 1000.0

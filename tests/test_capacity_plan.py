@@ -36,8 +36,8 @@ def decided(c: int, value: float, trials: int = 1, half: float = 1.0) -> Probe:
     return Probe(c, trials=trials, figure=Interval(value, value - half, value + half))
 
 
-def step(*probes: Probe, bounds: tuple[Bound, ...] = (CEILING,)) -> Step:
-    return next_step({p.concurrency: p for p in probes}, LIMIT, bounds)
+def step(*probes: Probe, bounds: tuple[Bound, ...] = (CEILING,), aimed: bool = True) -> Step:
+    return next_step({p.concurrency: p for p in probes}, LIMIT, bounds, aimed=aimed)
 
 
 # --- one probe's verdict ---------------------------------------------------------------
@@ -66,16 +66,20 @@ def test_a_probe_is_judged_by_its_interval_and_at_the_cap_by_its_point(
 def test_it_starts_at_one_with_two_trials_and_doubles_while_probes_pass() -> None:
     # The first probe's trials together: the drift between runs is measured at once.
     assert step().queue == (1, 1)
-    assert step(decided(1, 10)).queue == (2,)
-    assert step(decided(1, 10), decided(2, 20)).queue == (4,)
-    assert step(decided(1, 10), decided(2, 20), decided(4, 30)).queue == (8,)
+    assert step(decided(1, 10)).queue == (2,)  # no line through one probe: doubling
+    # Doubling on, where the search does not aim (aiming: ``tests/test_capacity_aim.py``).
+    assert step(decided(1, 10), decided(2, 20), aimed=False).queue == (4,)
+    assert step(decided(1, 10), decided(2, 20), decided(4, 30), aimed=False).queue == (8,)
 
 
 def test_it_bisects_between_the_last_pass_and_the_first_fail() -> None:
-    found = step(decided(1, 10), decided(2, 20), decided(4, 30), decided(8, 70))
+    probes = [decided(1, 10), decided(2, 20), decided(4, 30), decided(8, 70)]
+    found = step(*probes, aimed=False)
     assert (found.last_pass, found.first_fail, found.queue) == (4, 8, (6,))
-    found = step(decided(1, 10), decided(2, 20), decided(4, 30), decided(8, 70), decided(6, 40))
+    found = step(*probes, decided(6, 40), aimed=False)
     assert found.queue == (7,)
+    # Aimed: the line through 2, 4 and 8 (the three nearest the limit) meets 50 at 5.8.
+    assert step(*probes).queue == (5, 6)
 
 
 def test_an_undecided_probe_gets_another_trial_before_the_search_moves() -> None:

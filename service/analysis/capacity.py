@@ -12,10 +12,19 @@ Clopper-Pearson bound.
 
 The search, per input length (``next_step``, a pure function of what the probes showed):
 
-- bracket: probe 1, 2, 4, ... doubling until a probe fails or the bound is reached (the
-  asked ``max_concurrency``; what the server's KV cache holds at that length; its
-  ``max_num_seqs``; a probe the server capped or refused, less one);
-- bisect between the last pass and the first fail to the integer boundary;
+- bracket: probe 1, then up until a probe fails or the bound is reached (the asked
+  ``max_concurrency``; what the server's KV cache holds at that length; its
+  ``max_num_seqs``; a probe the server capped or refused, less one), then close in on the
+  integer boundary between the last pass and the first fail;
+- up and in by aiming (``aim``): a decode step at one input length takes fixed +
+  per_kv_token x (C x L) + per_request x C, so a probe's figure is close to a + b x C. Once
+  two probes are measured, the line fitted to their figures (``line_boundary``) puts the
+  boundary at C*, and the search probes floor(C*) and floor(C*) + 1 together (within the
+  bracket and the bound). Before that (the second probe is 2), and where the line says
+  nothing (a figure that does not grow, or a C* the verdicts contradict), it doubles
+  (1, 2, 4, ...) and bisects. It aims only where doubling and bisecting from what the aimed
+  probes leave would still judge no more probes than planned (``probes_left``): the aiming
+  chooses where to probe, never how a probe is judged;
 - the first probe gets ``FIRST_PROBE_TRIALS`` trials up front, queued together, so that
   drift between runs is measured before any verdict;
 - a probe's verdict comes from its interval (a tail limit's: its attainment's): *pass*
@@ -30,16 +39,18 @@ The search, per input length (``next_step``, a pure function of what the probes 
 Confidence. The search looks at an interval each time a probe's trials have all ended:
 at most ``TRIAL_CAP`` looks per probe, and, while no interval misses, at most
 ``max_probes(ceiling)`` probes judged on the way (bracket and bisection, whatever the bound
-learnt on the way). So ``K = TRIAL_CAP * max_probes(ceiling)`` looks are planned before the
-search starts, and each interval is taken at confidence 1 - 5%/K (Bonferroni): the chance
-that any interval the search takes misses its probe's true figure is at most 5%. When none
-misses, every verdict made by an interval is right, and with none made by a point estimate
-the boundary is the true one (for a figure that grows with concurrency): the stated 95%.
+learnt on the way; an aimed probe only where that still holds, whatever its verdict). So
+``K = TRIAL_CAP * max_probes(ceiling)`` looks are planned before the search starts, and
+each interval is taken at confidence 1 - 5%/K (Bonferroni): the chance that any interval
+the search takes misses its probe's true figure is at most 5%. When none misses, every
+verdict made by an interval is right, and with none made by a point estimate the boundary
+is the true one (for a figure that grows with concurrency): the stated 95%.
 A probe decided by its point estimate voids that statement; the answer names it. Each
 interval carries the drift between runs and treats only independent units as such
 (``service.analysis.probe_units``); a tail limit's interval is its attainment's.
 ``tests/test_capacity_plan.py`` simulates the plan; ``tests/test_capacity_units.py`` and
-``tests/test_capacity_searches.py`` check the coverage on a lock-step stand-in engine.
+``tests/test_capacity_searches.py`` check the coverage on a lock-step stand-in engine,
+``tests/test_capacity_aim.py`` the aiming's runs and coverage against the old path's.
 
 A probe whose server ran fewer than C requests at once (its ``max_num_seqs`` below C, or
 the run's ``queued_in_server`` / ``preempted`` warnings from the server's own metrics) is
@@ -242,6 +253,9 @@ class Probe:
     target: float | None = None
     # Its trials disagree beyond their run intervals (drift between runs).
     drifts: bool = False
+    # The typical run's median unit (ms: the geometric mean of its trials' levels), what a
+    # median limit's figure is; a tail limit's figure is its p99 instead. None: not looked at.
+    typical: float | None = None
 
 
 @dataclass(frozen=True)
@@ -296,12 +310,123 @@ class Step:
     judged: Mapping[int, Judgement] = field(default_factory=dict)
     # Probes whose trials disagree beyond their run intervals (drift between runs).
     drifting: tuple[int, ...] = ()
+    # Where the line fitted to the probes' figures (or the first probe's prior) put the
+    # boundary when this step's queue was aimed at it; None when it doubled or bisected.
+    aimed_at: float | None = None
+
+
+# --- aiming: where the boundary lies by the line a + b x C ------------------------------
+
+
+# Probes nearest the limit (by the ratio of their figure to it) that the line is fitted to:
+# a local line follows a step time that bends (a batch past what fits somewhere) better
+# than one through every probe.
+AIM_POINTS = 3
+
+
+def line_boundary(probes: Mapping[int, Probe], max_ms: float) -> float | None:
+    """Where the line a + b x C through the probes' typical figures meets the limit; None
+    with fewer than two probes measured, or a line that does not rise.
+
+    - The line is fitted to the ``AIM_POINTS`` probes whose figures lie nearest the limit,
+      each weighted by its interval's width where every one has a finite interval.
+    - It is fitted to the typical run's median unit (``Probe.typical``), a median limit's
+      figure. A p99 limit aims by the same line, at the limit over the ratio of its p99
+      figures to those medians (the tail of a step time scales with concurrency as its
+      median does): a median over hundreds of units moves far less than a p99 over them.
+      Its verdicts stay the attainment's; a probe without its median (a look stored before
+      the median was read) stands in with its figure."""
+    points = [(c, p.figure, p.typical if p.typical is not None and p.typical > 0 else p.figure.value)
+              for c, p in probes.items()
+              if p.figure is not None and p.trials > 0 and p.capped is None and p.refused is None
+              and math.isfinite(p.figure.value) and p.figure.value > 0]
+    if len(points) < 2 or max_ms <= 0:
+        return None
+    # The tail over the typical unit: 1 for a median limit, whose figure is its typical.
+    ratio = float(np.median([f.value / typical for _, f, typical in points]))
+    points.sort(key=lambda point: abs(math.log(point[1].value / max_ms)))
+    near = points[:AIM_POINTS]
+    x = np.array([float(c) for c, _, _ in near])
+    y = np.array([typical for _, _, typical in near])
+    sigma = np.array([(f.hi - f.lo) / 2 * typical / f.value for _, f, typical in near])
+    weights = 1 / sigma if np.all(np.isfinite(sigma)) and np.all(sigma > 0) else None
+    slope, intercept = np.polyfit(x, y, 1, w=weights)
+    if not (math.isfinite(slope) and math.isfinite(intercept)) or slope <= 0:
+        return None
+    return float((max_ms / ratio - intercept) / slope)
+
+
+def probes_left(last_pass: int, first_fail: int | None, bound: int) -> int:
+    """The most probes doubling then bisecting may still judge from this bracket, whatever
+    their verdicts: ceil(log2) of the gap once a probe failed; below that, the worse of a
+    fail (bisecting) and a pass (doubling on) at each step up."""
+    if first_fail is not None:
+        return (first_fail - last_pass - 1).bit_length() if first_fail - last_pass > 1 else 0
+    if last_pass >= bound:
+        return 0
+    up = 1 if last_pass == 0 else min(2 * last_pass, bound)
+    return 1 + max(probes_left(up, None, bound), probes_left(last_pass, up, bound))
+
+
+def _left_after(new: Sequence[int], last_pass: int, first_fail: int | None, bound: int) -> int:
+    """The most probes still to judge after the ``new`` ones, over every pair of verdicts."""
+    worst = 0
+    for verdicts in range(1 << len(new)):
+        fails = [c for i, c in enumerate(new) if verdicts >> i & 1]
+        fail = min([*fails, *([first_fail] if first_fail is not None else [])], default=None)
+        passed = max([last_pass, *(c for c in new if c not in fails and (fail is None or c < fail))])
+        worst = max(worst, probes_left(passed, fail, bound))
+    return worst
+
+
+def aim(probes: Mapping[int, Probe], max_ms: float, last_pass: int, first_fail: int | None,
+        bound: Bound, spent: int, planned: int) -> tuple[tuple[int, ...], float] | None:
+    """The probes aimed at the boundary, and where it was put, or None to double or bisect:
+    floor(C*) and floor(C*) + 1, C* from ``line_boundary`` (two probes measured or more),
+    those of the two above ``last_pass``, below ``first_fail`` and within ``bound``.
+
+    - Only where C* lies in the bracket the verdicts leave: a line that disagrees with them
+      (drift between runs makes such lines) says nothing of where the boundary is. Where
+      probes drift, only the upper one, and only up past where doubling would go.
+    - Only where ``spent`` (probes judged) + the aimed ones + ``probes_left`` after them,
+      whatever their verdicts, stays within ``planned`` (``max_probes``): the looks planned
+      then still cover every look the search can take. Where the pair would not, one of it."""
+    top = first_fail - 1 if first_fail is not None else bound.value
+    if last_pass >= top:
+        return None
+    estimate = line_boundary(probes, max_ms)
+    if estimate is None or not last_pass <= estimate < (first_fail or math.inf):
+        return None  # no line, or one that disagrees with the verdicts (drift makes those)
+    if estimate >= top + 1 and first_fail is None and bound.kind in (CAPPED, REFUSED):
+        # Past a probe the server capped or refused: what it holds lies below it, and
+        # probing each one under the last would creep down a run at a time. Doubling.
+        return None
+    low = min(math.floor(estimate), top)
+    pair = tuple(c for c in (low, low + 1) if last_pass < c <= top)
+    if any(p.drifts for p in probes.values()):
+        # Runs drift: a line through a few of them is a guess, and verdicts by point estimate
+        # would have it creep by ones. Up, one probe where it goes further than doubling;
+        # between a pass and a fail, bisecting.
+        if first_fail is not None or pair[-1] <= min(2 * last_pass, top):
+            return None
+        choices = [pair[-1:]]
+    else:
+        # Where the pair would leave more than planned, one of it: below any fail, the upper
+        # (a fail closes the bracket, and bisecting it costs little); else the nearer C*.
+        singles = sorted(pair, key=lambda c: -c if first_fail is None else abs(c - estimate))
+        choices = [pair, *((c,) for c in singles)] if len(pair) > 1 else [pair]
+    for new in choices:
+        if spent + len(new) + _left_after(new, last_pass, first_fail, bound.value) <= planned:
+            return new, estimate
+    return None
 
 
 def next_step(probes: Mapping[int, Probe], max_ms: float, bounds: Sequence[Bound],
-              trial_cap: int = TRIAL_CAP) -> Step:
+              trial_cap: int = TRIAL_CAP, aimed: bool = True) -> Step:
     """The search's next move given the ``probes`` so far (see the module docstring).
-    ``bounds``: the asked ceiling first, then what the servers showed (``server_bounds``)."""
+    ``bounds``: the asked ceiling first (the plan's, ``max_probes``), then what the servers
+    showed (``server_bounds``). ``aimed`` False: doubling and bisecting only, never aiming
+    (the search before the aiming, which the simulations compare with)."""
     limits = list(bounds)
     for c, p in sorted(probes.items()):
         if p.capped is not None:
@@ -340,11 +465,16 @@ def next_step(probes: Mapping[int, Probe], max_ms: float, bounds: Sequence[Bound
     if open_:
         return replace(known, queue=(open_[0],))
     if last_pass < ceiling:
+        if not probes:
+            # The first probe's trials together: the spread between runs is known
+            # before the first verdict (``probe_units``), and no later probe waits for it.
+            return replace(known, queue=(1,) * FIRST_PROBE_TRIALS)
+        spent = sum(1 for p in probes.values() if p.trials > 0 and p.capped is None and p.refused is None)
+        target = aim(probes, max_ms, last_pass, first_fail, bound, spent,
+                     max_probes(bounds[0].value)) if aimed else None
+        if target is not None:
+            return replace(known, queue=target[0], aimed_at=target[1])
         if first_fail is None:
-            if not probes:
-                # The first probe's trials together: the spread between runs is known
-                # before the first verdict (``probe_units``), and no later probe waits for it.
-                return replace(known, queue=(1,) * FIRST_PROBE_TRIALS)
             upward = 1 if last_pass == 0 else min(2 * last_pass, bound.value)
             return replace(known, queue=(upward,))
         return replace(known, queue=((last_pass + first_fail) // 2,))
@@ -462,10 +592,12 @@ def _interval(stored: Sequence[float | None] | None, confidence: float) -> Inter
 def look_state(concurrency: int, look: Mapping[str, Any]) -> Probe:
     """What a probe's stored look says: its trials, figure, attainment and drift."""
     confidence = float(look["confidence"])
+    levels = look.get("levels")
     return Probe(concurrency=concurrency, trials=len(look["runs"]),
                  figure=_interval(look.get("figure"), confidence),
                  attainment=_interval(look.get("attainment"), confidence),
-                 target=look.get("target"), drifts=bool(look.get("drifts")))
+                 target=look.get("target"), drifts=bool(look.get("drifts")),
+                 typical=1000.0 * math.exp(sum(levels) / len(levels)) if levels else None)
 
 
 def probe_state(p: ProbeRuns, looks: Mapping[str, Any], cancelled_by_search: bool) -> Probe:

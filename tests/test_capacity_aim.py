@@ -1,0 +1,325 @@
+"""The capacity search aims (issue 47): once two probes are measured, the line a + b x C
+fitted to their figures says where the boundary lies, and the search probes there and
+beside it instead of bisecting blindly. Where it aims (``aim``, ``line_boundary``), that the
+looks planned still cover every look a search can take (``probes_left``), and whole searches
+on a lock-step stand-in whose step time is such a line: fewer runs than the search before the
+aiming (``next_step(aimed=False)``), the stated range holding the truth as often, the answer
+the truth as often."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+
+from service.analysis import capacity
+from service.analysis.capacity import (
+    Bound,
+    Probe,
+    Step,
+    line_boundary,
+    look_state,
+    max_probes,
+    next_step,
+    plan_for,
+    probes_left,
+    take_look,
+)
+from service.analysis.intervals import Interval
+from service.analysis.probe_units import drift_from_looks
+from service.core.capacity import SLA_METRICS
+from service.core.sample import Sample
+from tests.lockstep_engine import step_s, trial, true_figure
+
+LIMIT = 65.0
+CEILING = Bound(64, "max_concurrency", "max_concurrency 64 (asked)")
+
+
+def decided(c: int, value: float, trials: int = 1, half: float = 1.0) -> Probe:
+    """A probe with its trials looked at: ``value`` with an interval of +-``half``."""
+    return Probe(c, trials=trials, figure=Interval(value, value - half, value + half))
+
+
+def step(*probes: Probe, bounds: tuple[Bound, ...] = (CEILING,), max_ms: float = LIMIT) -> Step:
+    return next_step({p.concurrency: p for p in probes}, max_ms, bounds)
+
+
+# --- where it aims ---------------------------------------------------------------------
+
+
+def test_two_probes_on_the_stubs_line_aim_at_the_boundary_and_beside_it() -> None:
+    # The stub's 10 ms + 10 ms a stream: 20 ms at 1, 30 at 2; 65 ms is met at 5.5.
+    found = step(decided(1, 20.0, trials=2), decided(2, 30.0))
+    assert found.aimed_at == pytest.approx(5.5)
+    assert (found.last_pass, found.first_fail, found.queue) == (2, None, (5, 6))
+    # Both verdicts as the line said: the boundary pair, each to its second trial.
+    found = step(decided(1, 20.0, trials=2), decided(2, 30.0), decided(5, 60.0), decided(6, 70.0))
+    assert (found.last_pass, found.first_fail, found.queue) == (5, 6, (5, 6))
+    assert found.aimed_at is None
+
+
+def test_before_two_probes_and_where_the_figure_does_not_rise_it_doubles() -> None:
+    assert step(decided(1, 20.0, trials=2)).queue == (2,)
+    flat = step(decided(1, 20.0, trials=2), decided(2, 20.0))
+    assert flat.queue == (4,) and flat.aimed_at is None
+
+
+def test_the_line_is_fitted_to_the_probes_nearest_the_limit_weighted_by_their_intervals() -> None:
+    # 4, 8 and 9 are nearest 65; 1 (a figure the line does not follow) is left out.
+    probes = {1: decided(1, 5.0), 4: decided(4, 40.0), 8: decided(8, 80.0, half=8.0), 9: decided(9, 90.0)}
+    assert line_boundary(probes, LIMIT) == pytest.approx(6.5)
+    # A probe with a wide interval pulls the line less than one with a narrow one.
+    loose = {4: decided(4, 40.0), 6: decided(6, 70.0, half=30.0), 8: decided(8, 80.0)}
+    tight = {4: decided(4, 40.0), 6: decided(6, 70.0, half=0.5), 8: decided(8, 80.0)}
+    pulled = {name: line_boundary(probes, LIMIT) for name, probes in (("loose", loose), ("tight", tight))}
+    assert pulled["loose"] is not None and pulled["tight"] is not None
+    # The line through 4 and 8 meets 65 at 6.5; 6 at 70 pulls it to 5.8 when sure, barely when not.
+    assert abs(pulled["loose"] - 6.5) < abs(pulled["tight"] - 6.5)
+    assert line_boundary({4: decided(4, 40.0)}, LIMIT) is None
+    assert line_boundary({4: decided(4, 40.0), 8: decided(8, 30.0)}, LIMIT) is None  # falling
+
+
+def test_a_tail_limit_aims_by_the_line_of_its_medians_at_the_limit_over_the_tail() -> None:
+    # p99 figures twice the medians: the p99 limit of 130 ms is the medians' 65.
+    probes = {c: replace(decided(c, 2 * (10 + 10 * c)), typical=10.0 + 10 * c) for c in (1, 2)}
+    assert line_boundary(probes, 130.0) == pytest.approx(5.5)
+    # A stored look keeps the trials' levels: its median is read back from them.
+    look = {"runs": ["a", "b"], "confidence": 0.99, "figure": [80.0, 70.0, 90.0],
+            "levels": [math.log(0.039), math.log(0.041)]}
+    assert look_state(3, look).typical == pytest.approx(1000 * math.sqrt(0.039 * 0.041))
+
+
+def test_a_line_the_verdicts_contradict_is_not_followed() -> None:
+    # The line through 2 and 8 meets the limit at 6.5, but 4 failed: bisecting (2, 4).
+    found = step(decided(1, 20.0, trials=2), decided(2, 30.0), decided(4, 70.0), decided(8, 80.0))
+    assert found.first_fail == 4 and found.queue == (3,) and found.aimed_at is None
+
+
+def test_a_boundary_the_line_puts_past_the_bound_is_probed_at_the_bound() -> None:
+    kv = Bound(20, "kv_cache", "the server's KV cache holds 20 requests")
+    found = step(decided(1, 20.0, trials=2), decided(2, 30.0), bounds=(CEILING, kv), max_ms=500.0)
+    assert found.queue == (20,) and found.aimed_at == pytest.approx(49.0)
+
+
+def test_where_the_pair_would_spend_more_than_planned_it_probes_the_upper_one() -> None:
+    # The line meets 45 at 3.5. Were 3 and 4 to pass, doubling from 4 to 64 and bisecting
+    # could judge 9 more: 2 + 2 + 9 > 12 planned. The upper alone (a fail closes the
+    # bracket; a pass leaves 9): 2 + 1 + 9 = 12.
+    assert max_probes(64) == 12 and probes_left(4, None, 64) == 9
+    found = step(decided(1, 20.0, trials=2), decided(2, 30.0), max_ms=45.0)
+    assert found.queue == (4,) and found.aimed_at == pytest.approx(3.5)
+    found = step(decided(1, 20.0, trials=2), decided(2, 30.0), decided(4, 50.0), max_ms=45.0)
+    assert found.queue == (3,)
+
+
+# --- the plan still holds ----------------------------------------------------------------
+
+
+def test_probes_left_from_nothing_is_the_plans_longest_path() -> None:
+    for ceiling in [*range(1, 300), 1000, 1024]:
+        assert probes_left(0, None, ceiling) == max_probes(ceiling), ceiling
+
+
+@dataclass
+class Adversary:
+    """Searches whose figures need not make sense, within what the plan assumes (no interval
+    misses its probe's truth): a truth per probe along a line through noise of a random
+    spread (none to wild), each look an interval holding it, nested in the probe's last (its
+    pooled trials), of a random width (verdicts by interval, or at the cap by a point
+    estimate on either side); the KV cache bound learnt with the first look, and a server
+    that holds fewer streams than asked from a random concurrency on (capped probes)."""
+
+    rng: np.random.Generator
+    ceiling: int
+
+    def truth(self, c: int, pivot: float, spread: float) -> float:
+        return LIMIT * c / pivot * math.exp(self.rng.normal(0.0, spread))
+
+    def search(self, aimed: bool) -> tuple[int, int, int]:
+        """Probes judged, looks taken and moves aimed by one search to its end."""
+        pivot = float(self.rng.uniform(0.5, self.ceiling + 1))
+        spread = float(self.rng.choice([0.0, 0.1, 0.5]))
+        holds = int(self.rng.integers(1, 2 * self.ceiling + 2))
+        kv = Bound(int(self.rng.integers(1, self.ceiling + 1)), "kv_cache", "")
+        truths: dict[int, float] = {}
+        probes: dict[int, Probe] = {}
+        looks = aims = 0
+        ceiling = Bound(self.ceiling, "max_concurrency", "")
+        for moves in range(5000):
+            found = next_step(probes, LIMIT, (ceiling, kv) if moves else (ceiling,), aimed=aimed)
+            if found.done or found.error:
+                return sum(1 for p in probes.values() if p.trials and p.capped is None), looks, aims
+            aims += found.aimed_at is not None
+            for c in found.queue:
+                if c > holds:
+                    probes[c] = Probe(c, trials=1, capped="queued_in_server: it held fewer")
+                    continue
+                truth = truths.setdefault(c, self.truth(c, pivot, spread))
+                was = probes[c].figure if c in probes else None
+                if was is not None:
+                    lo, hi = float(self.rng.uniform(was.lo, truth)), float(self.rng.uniform(truth, was.hi))
+                else:
+                    half = float(self.rng.choice([0.5, 5.0, 80.0]))
+                    lo = truth - float(self.rng.uniform(0.0, 2 * half))
+                    hi = lo + 2 * half
+                trials = probes[c].trials + 1 if c in probes else 1
+                probes[c] = Probe(c, trials=trials, figure=Interval((lo + hi) / 2, lo, hi))
+                looks += 1
+        raise AssertionError("the search never ended")
+
+
+@pytest.mark.parametrize("ceiling", [4, 16, 23, 64, 100, 1024])
+def test_no_search_judges_more_probes_or_takes_more_looks_than_planned(ceiling: int) -> None:
+    # Whatever line the figures draw and whatever verdicts their intervals give, the aiming
+    # only picks probes the plan still covers, as doubling and bisecting did.
+    adversary = Adversary(np.random.default_rng(ceiling), ceiling)
+    plan = plan_for(ceiling)
+    aims = 0
+    for _ in range(400):
+        for aimed in (False, True):
+            judged, looks, aimed_moves = adversary.search(aimed)
+            assert judged <= max_probes(ceiling) and looks <= plan.looks, (aimed, judged, looks)
+            aims += aimed_moves
+    assert aims > 100  # it did aim, often
+
+
+# --- whole searches: fewer runs, the same answers ------------------------------------------
+
+# The stand-in engine's lock-step waves, jitter, tail steps and drift between runs
+# (``tests/lockstep_engine.py``), with the step time of the stub server the benchmark and the
+# service's tests use: 10 ms + 10 ms a stream, a line as the physics says (fixed + per KV
+# token x C x L + per request x C at one input length).
+FIXED_S, PER_STREAM_S = 0.010, 0.010
+BOUNDARIES = (3, 6, 11, 23)
+SIGMAS = (0.0, 0.2, 0.27)  # drift between runs, as ``tests/test_capacity_searches.py`` has it
+SEARCHES = 40  # per boundary and drift, every metric in turn
+MAX_RUNS = 32
+
+
+def line_step(c: int) -> float:
+    return FIXED_S + PER_STREAM_S * c
+
+
+def line_figure(metric: str, c: int) -> float:
+    """The true figure (ms) of the typical run at ``c``: the stand-in's shape of a step's
+    units (jitter and tail, the same at every concurrency) times this line."""
+    return true_figure(metric, 1) / step_s(1) * line_step(c)
+
+
+def limit_for(metric: str, boundary: int) -> float:
+    """Halfway (geometrically) between the figures at the boundary and one above it."""
+    return math.sqrt(line_figure(metric, boundary) * line_figure(metric, boundary + 1))
+
+
+def whole_search(rng: np.random.Generator, metric: str, sigma: float, boundary: int,
+                 aimed: bool) -> tuple[Step, int]:
+    """One search as ``control.capacity.advance`` runs it (``test_capacity_searches``'s loop):
+    the planner's queue, a trial per queued probe, a look at each probe whose trials ended,
+    the drift pooled from the search's other looks. Its last step and the runs it spent."""
+    max_ms = limit_for(metric, boundary)
+    plan = plan_for(CEILING.value)
+    trials: dict[int, list[list[Sample]]] = {}
+    looks: dict[str, dict[str, object]] = {}
+    probes: dict[int, Probe] = {}
+    runs = 0
+    while True:
+        found = next_step(probes, max_ms, (CEILING,), plan.trial_cap, aimed=aimed)
+        if found.done or found.error or runs + len(found.queue) > MAX_RUNS:
+            return found, runs
+        for c in found.queue:
+            trials.setdefault(c, []).append(trial(rng, c, sigma, runs, step=line_step))
+            runs += 1
+        for c in dict.fromkeys(found.queue):
+            key = capacity.look_key(1024, c)
+            ids = [f"r{c}-{k}" for k in range(len(trials[c]))]
+            look = take_look(trials[c], ids, metric, c, plan.per_look, max_ms,
+                             drift_from_looks(looks, leave_out=key))
+            looks[key] = look
+            probes[c] = look_state(c, look)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    sigma: float
+    metric: str
+    boundary: int
+    runs: int
+    held: bool  # the stated range holds the true boundary
+    exact: bool  # the answer is the true boundary
+    decided: bool
+
+
+def outcomes(aimed: bool) -> list[Outcome]:
+    out = []
+    for sigma in SIGMAS:
+        for boundary in BOUNDARIES:
+            rng = np.random.default_rng(1000 * boundary + int(sigma * 100))
+            for i in range(SEARCHES):
+                metric = SLA_METRICS[i % len(SLA_METRICS)]
+                found, runs = whole_search(rng, metric, sigma, boundary, aimed)
+                held = found.surely[0] <= boundary <= found.surely[1]
+                out.append(Outcome(sigma, metric, boundary, runs, held, found.last_pass == boundary,
+                                   found.done and found.error is None))
+    return out
+
+
+@pytest.fixture
+def no_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look's per-stream decode rate (a bootstrap for the P / D answer, not the verdict)
+    is most of a look's time: left out of the simulated searches."""
+    monkeypatch.setattr(capacity, "per_user_rate", lambda *_: None)
+
+
+def share(found: list[Outcome], what: str, **where: object) -> float:
+    mine = [o for o in found if all(getattr(o, k) == v for k, v in where.items())]
+    return float(np.mean([getattr(o, what) for o in mine]))
+
+
+@pytest.mark.usefixtures("no_rate")
+def test_aimed_searches_spend_fewer_runs_with_the_same_coverage_and_answers() -> None:
+    # 480 searches each way: 40 per boundary (3, 6, 11, 23) and drift (0, 0.2, 0.27), the
+    # four metrics in turn; ceiling 64 (36 looks planned, each at 99.86%), budget 32 runs.
+    # Measured (seeds as here; -s prints it), before the aiming -> aimed, runs per input length:
+    # - drift 0: 17.08 -> 12.22 (median ITL 12.38 -> 9.15; by boundary, every metric: 3: 10.5
+    #   -> 10.5, 6: 15.2 -> 11.8, 11: 18.9 -> 12.3, 23: 23.7 -> 14.2); the range held the
+    #   truth in all of them both ways; the answer was the truth in 0.787 -> 0.838 (median ITL
+    #   1.00 -> 1.00, p99 ITL 0.75 -> 0.78, median TPOT 0.88 -> 0.90, p99 TPOT 0.53 -> 0.68);
+    # - drift 0.2: 20.73 -> 19.13 runs; range 1.000 -> 1.000; answer 0.406 -> 0.487;
+    # - drift 0.27: 21.55 -> 19.69 runs; range 1.000 -> 1.000; answer 0.300 -> 0.331;
+    #   every search decided within its budget, both ways.
+    # Not the 6 runs issue 47 asked for: on this stand-in a median ITL search without drift
+    # costs 8 at least whatever it aims at: 2 for the first probe, 2 for the second (its first
+    # look has one degree of freedom of drift between runs, t = 450 at 99.86%, and decides
+    # nothing), 2 each for the boundary pair; a third trial where a boundary probe's interval
+    # straddles the limit (halfway between two probes' figures, 4% from each) makes 9.
+    # Under drift a line through a few runs is a guess: the search aims only upwards there.
+    before, after = outcomes(aimed=False), outcomes(aimed=True)
+    for sigma in SIGMAS:
+        old, new = [o for o in before if o.sigma == sigma], [o for o in after if o.sigma == sigma]
+        itl = SLA_METRICS[0]
+        print(f"drift {sigma}: runs per input length {np.mean([o.runs for o in old]):.2f} -> "
+              f"{np.mean([o.runs for o in new]):.2f} (median ITL {share(old, 'runs', metric=itl):.2f}"
+              f" -> {share(new, 'runs', metric=itl):.2f}); range holds the truth "
+              f"{share(old, 'held'):.3f} -> {share(new, 'held'):.3f}; answer the truth "
+              f"{share(old, 'exact'):.3f} -> {share(new, 'exact'):.3f}; decided "
+              f"{share(old, 'decided'):.3f} -> {share(new, 'decided'):.3f}")
+        # The stated 95%: the range holds the true boundary as often as before, and at least 95%.
+        assert share(new, "held") >= max(0.95, share(old, "held")), sigma
+        # The answer is the true boundary as often as before, and every search decides.
+        assert share(new, "exact") >= share(old, "exact"), sigma
+        assert share(new, "decided") >= share(old, "decided"), sigma
+        assert np.mean([o.runs for o in new]) < np.mean([o.runs for o in old]), sigma
+    steady_old = [o for o in before if o.sigma == 0.0]
+    steady_new = [o for o in after if o.sigma == 0.0]
+    print("without drift, runs per boundary: " + ", ".join(
+        f"{b}: {share(steady_old, 'runs', boundary=b):.1f} -> {share(steady_new, 'runs', boundary=b):.1f}"
+        for b in BOUNDARIES))
+    for metric in SLA_METRICS:  # without drift, for every metric
+        assert share(steady_new, "exact", metric=metric) >= share(steady_old, "exact", metric=metric), metric
+        assert share(steady_new, "runs", metric=metric) < share(steady_old, "runs", metric=metric), metric
+    # A median ITL limit without drift: every answer the truth, in 9.15 runs against 12.38.
+    median_itl = [o for o in steady_new if o.metric == SLA_METRICS[0]]
+    assert all(o.exact for o in median_itl) and np.mean([o.runs for o in median_itl]) <= 9.2
+    assert share(steady_old, "runs", metric=SLA_METRICS[0]) >= 12
