@@ -65,10 +65,11 @@ def test_the_search_finds_the_stub_boundary_exactly_and_counts_its_runs(stub_ser
     assert context["confidence"] == 0.95 and "with 95% confidence it is 5" in context["statement"]
     probes = probes_of(context)
     # 1, 2, then aimed: the line through 20 ms at 1 and 30 at 2 meets 65 at 5.5, so 5 and 6
-    # together (doubling and bisecting probed 1 2 4 8, 6 5).
-    assert set(probes) == {1, 2, 5, 6}
-    assert [probes[c]["verdict"] for c in (1, 2, 5)] == ["pass"] * 3
-    assert probes[6]["verdict"] == "fail"
+    # together on a quiet machine (doubling and bisecting probed 1 2 4 8, 6 5); a busy one
+    # slows the stub's streams and can put the aim one lower. Either way the boundary pair
+    # is probed and every probe is judged as the stub's truth says.
+    assert {1, 2, 5, 6} <= set(probes) <= {1, 2, 4, 5, 6, 7}
+    assert all(p["verdict"] == ("pass" if c <= 5 else "fail") for c, p in probes.items())
     assert probes[5]["trials"] >= 2 and probes[6]["trials"] >= 2
     assert all(p["decided_by"] == "interval" for p in probes.values())
     assert probes[5]["ci_ms"][1] <= 65 < probes[6]["ci_ms"][0]
@@ -77,9 +78,10 @@ def test_the_search_finds_the_stub_boundary_exactly_and_counts_its_runs(stub_ser
     run_ids = [r for p in probes.values() for r in p["run_ids"]]
     assert context["runs"] == done["runs"] == len(run_ids) == len(set(run_ids))
     # 7 on a quiet machine (1 twice, 2, 5 twice, 6 twice; 10 before the search aimed: 1
-    # twice, 2, 4 twice, 8, 6 twice, 5 twice), a trial more where an interval straddled the
-    # limit or a boundary probe's runs drifted: against 30 for a scan of 10 levels x 3 trials.
-    assert context["runs"] <= 10
+    # twice, 2, 4 twice, 8, 6 twice, 5 twice), a probe or a trial more where the aim fell one
+    # off, an interval straddled the limit or a boundary probe's runs drifted: against 30 for
+    # a scan of 10 levels x 3 trials.
+    assert context["runs"] <= 11
     # The first probe's two trials ran together; each probe says how it was judged.
     assert probes[1]["trials"] >= 2 and all("typical run" in p["method"] for p in probes.values())
     for run_id in probes[5]["run_ids"]:
@@ -137,10 +139,11 @@ def test_a_probe_the_server_capped_is_reported_capped_and_bounds_the_search(stub
     probes = probes_of(context)
     assert probes[4]["verdict"] == "capped" and "queued_in_server" in probes[4]["capped"]
     assert probes[4]["figure_ms"] is None and probes[4]["decided_by"] is None
-    # 1, 2, then 5 and 6 as the line aimed (both capped), then doubling under what they left
-    # (4, capped) and 3: past a capped probe the search does not aim.
-    assert set(probes) == {1, 2, 3, 4, 5, 6}
-    assert probes[5]["verdict"] == probes[6]["verdict"] == "capped"
+    # 1, 2, then where the line aimed (5 and 6 on a quiet machine, both capped), then
+    # doubling under what they left (4, capped) and 3: past a capped probe the search does
+    # not aim. Every probe above 3 was capped.
+    assert {1, 2, 3, 4} <= set(probes) <= {1, 2, 3, 4, 5, 6, 7}
+    assert all(p["verdict"] == "capped" for c, p in probes.items() if c > 3)
     assert (context["max_concurrency"], context["first_failing"]) == (3, None)
     assert context["limited_by"] == "capped" and "the probe at 4 was capped" in context["limit_reason"]
     assert context["decided"] and probes[3]["trials"] == 2

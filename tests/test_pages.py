@@ -397,13 +397,16 @@ def test_capacity_page_draws_the_sla_curve_and_the_frontier_and_exports_its_prob
     text = _text(html)
     assert context["statement"] in html_unescape(html)
     sla_svg, frontier_svg = _svgs(_between(html, 'id="context-8"', "</section>"))
-    # The SLA curve: a dot per judged probe with its interval (1, 2, and 3 where the line
-    # through 1 and 2 meets the limit), and the limit as a dashed line.
-    assert sla_svg.count("<title>concurrency ") == 3 and sla_svg.count('class="errorbar"') == 3
+    # The SLA curve: a dot per judged probe with its interval (1, 2, then where the line
+    # through them meets the limit: 3 and the one beside it, on a busy machine 4 too), and the
+    # limit as a dashed line.
+    judged = len(context["probes"])
+    assert judged in (3, 4), context["probes"]
+    assert sla_svg.count("<title>concurrency ") == judged and sla_svg.count('class="errorbar"') == judged
     assert "limit 35 ms" in sla_svg and "stroke-dasharray" in sla_svg
     # The frontier: per server against per user, error bars both ways, passes apart from fails.
-    assert frontier_svg.count("<title>concurrency ") == 3
-    assert frontier_svg.count('class="errorbar"') == frontier_svg.count('class="xerrorbar"') == 3
+    assert frontier_svg.count("<title>concurrency ") == judged
+    assert frontier_svg.count('class="errorbar"') == frontier_svg.count('class="xerrorbar"') == judged
     assert "within the SLA" in frontier_svg and "over the SLA or undecided" in frontier_svg
     # Each probe's runs are linked, from its dots and from its row.
     for probe in context["probes"]:
@@ -421,11 +424,11 @@ def test_capacity_page_draws_the_sla_curve_and_the_frontier_and_exports_its_prob
     assert exported.status_code == 200 and exported.headers["content-type"].startswith("text/csv")
     rows = list(csv.DictReader(io.StringIO(exported.text)))
     assert [(int(r["input_len"]), int(r["concurrency"]), r["verdict"]) for r in rows] == [
-        (8, 1, "pass"), (8, 2, "pass"), (8, 3, "fail")]
+        (8, 1, "pass"), (8, 2, "pass"), (8, 3, "fail"), (8, 4, "fail")][:judged]
     two = next(r for r in rows if r["concurrency"] == "2")
     assert float(two["figure_ms_lo"]) <= float(two["figure_ms"]) <= float(two["figure_ms_hi"]) <= 35
     assert two["context_max_concurrency"] == "2" and two["run_ids"].split() == context["probes"][1]["run_ids"]
     as_json = client.get(f"/api/capacity/{search_id}/export", params={"format": "json"}).json()
     assert as_json["rows"] == [{k: (None if v == "" else v) for k, v in r.items()} for r in
                                json.loads(json.dumps(as_json["rows"]))]
-    assert as_json["search"]["contexts"][0]["max_concurrency"] == 2 and len(as_json["rows"]) == 3
+    assert as_json["search"]["contexts"][0]["max_concurrency"] == 2 and len(as_json["rows"]) == judged
