@@ -112,8 +112,10 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         # Values of requests whose blocks were selected this step, for the metadata.
         self._pending_values: dict[str, tuple[float, float]] = {}
         self._pending_runs: dict[str, str] = {}
-        # What each engine step holds, for the worker side to time (``connector.steps``).
+        # What each engine step holds, for the worker side to time (``connector.steps``),
+        # and per run how many steps it had alone (timed) and shared (not timed).
         self.steps = StepTracker()
+        self.timing = bool(config.get_from_extra_config("step_timing", True))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -190,6 +192,12 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
             run_ids=dict(self._pending_runs),
             step=self.steps.observe(scheduler_output),
         )
+        step = meta.step
+        if self.timing and step is not None:
+            if step.run_id is not None:
+                self.reporter.add(step.run_id, steps_tagged=1)
+            for run_id in self.steps.shared:
+                self.reporter.add(run_id, steps_shared=1)
         self._pending_fills.clear()
         self._pending_values.clear()
         self._pending_runs.clear()
@@ -209,6 +217,7 @@ class FillConnectorScheduler(DecodeBenchConnectorScheduler):  # type: ignore[mis
         run_id = run_id_of(request)
         if run_id is not None:
             # The service reads a run's counters once its last request is done: send soon.
+            self.reporter.add(run_id, requests_finished=1)
             self.reporter.soon()
 
     def tracked_requests(self) -> int:

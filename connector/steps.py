@@ -64,6 +64,8 @@ class StepTracker:
         self._prompt_len: dict[str, int] = {}
         self._run: dict[str, str | None] = {}
         self._decoded: set[str] = set()
+        # The runs of the last step observed, when it mixed runs (or untagged requests).
+        self.shared: frozenset[str] = frozenset()
 
     def admitted(self, request: Request, run_id: str | None) -> None:
         """A request was scheduled from the waiting queue (first time or after a preemption)."""
@@ -108,6 +110,10 @@ class StepTracker:
                 prefill += tokens
         if mixed:
             run_id = None
+            self.shared = frozenset(
+                r for r in map(run_of.get, (*(n for n, _ in new), *cached.req_ids)) if r is not None)
+        else:
+            self.shared = frozenset()
         return StepInfo(self.step, run_id, decode, prefill, kv, first)
 
 

@@ -80,6 +80,11 @@ def test_a_fill_runs_steps_are_decode_steps_from_the_first(tmp_path: Path, contr
     # Then plain decode steps, the context one token longer each step.
     assert [(i.decode_requests, i.prefill_tokens, i.first) for i in rest] == [(2, 0, 0)] * 4
     assert [i.kv_tokens for i in rest] == [602, 604, 606, 608]
+    # The run is told how many steps it had alone (the worker times those) once its requests
+    # have finished: what the service waits for before it reads the run's steps.
+    counted = sched.connector.connector_scheduler.reporter.snapshot("r-fill")
+    assert counted["steps_tagged"] == 5 and counted.get("steps_shared", 0) == 0
+    assert counted["requests_finished"] == 2
 
 
 def test_a_real_prefill_is_prompt_tokens_and_its_first_decode_comes_after(
@@ -108,6 +113,12 @@ def test_a_step_that_holds_two_runs_belongs_to_neither(tmp_path: Path, control: 
     infos = _steps(sched)
     both = [i for i in infos if i.decode_requests == 2]
     assert both and all(i.run_id is None for i in both)
+    # Each run is told how many of its steps were shared (not timed) and how many were its own.
+    reporter = sched.connector.connector_scheduler.reporter
+    for run_id in ("r-one", "r-two"):
+        counted = reporter.snapshot(run_id)
+        alone = sum(i.run_id == run_id for i in infos)
+        assert counted.get("steps_tagged", 0) == alone and counted["steps_shared"] == len(both), counted
 
 
 def test_the_cpu_clock_times_the_forward_less_the_fill() -> None:

@@ -52,9 +52,11 @@ def cluster() -> Iterator[Cluster]:
 def ray_settings(cluster: Cluster, namespace: str = NAMESPACE) -> dict[str, Any]:
     # A driver silent for 60 s is hung here, not 15: these tests are not about the hang check
     # (test_ray_drivers.py is), and on a machine the rest of the suite keeps busy a driver host
-    # starting on a node can be silent for longer than 15 s.
+    # starting on a node can be silent for longer than 15 s. Servers get 300 s to be healthy,
+    # not the suite's 60: a CI run saw two stub servers of one node miss 60 s while the e2e
+    # group's real vLLM servers kept the machine busy (alone they are ready in seconds).
     return {"ray_address": cluster.address, "ray_namespace": namespace, "ray_server_host": "127.0.0.1",
-            "ray_forward_env": "VLLM_,STUB_", "driver_hang_s": 60.0}
+            "ray_forward_env": "VLLM_,STUB_", "driver_hang_s": 60.0, "worker_start_timeout_s": 300}
 
 
 def our_actors(namespace: str = NAMESPACE) -> list[str]:

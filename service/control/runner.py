@@ -66,6 +66,9 @@ PERSIST_EVERY_S = 0.5
 END_TRIES = 5
 # After the last response, the connector's counters for the run are awaited this long.
 REPORT_WAIT_S = 3.0
+# Once they do, the worker's timed steps for the run are awaited this much longer (at most):
+# they come in their own reports, and a busy machine can hold one back for seconds.
+STEPS_WAIT_S = 15.0
 # A stop rule's interval is checked this often at most, and never more often than every
 # STOP_CHECK_SHARE-th of the time (the check's own cost makes it wait longer on a big
 # run, so it never takes more than a few percent of a core from the measurement).
@@ -476,8 +479,9 @@ class Runner:
     async def _connector_totals(self, answered: int) -> dict[str, Any]:
         """The connector's counters for this run once they account for the ``answered``
         requests (both sides report shortly after a request ends), or what is there after
-        ``REPORT_WAIT_S``."""
-        deadline = time.monotonic() + REPORT_WAIT_S
+        ``REPORT_WAIT_S``; then, where the scheduler counted the run's steps, until the
+        worker's timed steps account for them too, or ``STEPS_WAIT_S`` more."""
+        began = time.monotonic()
         tp = self.spec.engine.tensor_parallel_size
         while True:
             # Cleared before the read: a report stored after it wakes the wait below.
@@ -488,6 +492,12 @@ class Runner:
                 totals["filled_requests"] == 0
                 or (totals["worker_ranks"] >= tp and totals["requests_filled"] >= totals["filled_requests"])
             )
+            deadline = began + REPORT_WAIT_S
+            if complete and totals["steps_tagged"]:
+                # The scheduler's count is final once every request it saw has finished.
+                complete = (totals["requests_finished"] >= totals["requests_seen"]
+                            and totals["steps_timed"] + totals["steps_dropped"] >= totals["steps_tagged"])
+                deadline += STEPS_WAIT_S
             left = deadline - time.monotonic()
             if complete or left <= 0:
                 return totals

@@ -38,6 +38,12 @@ class RunCounters(Strict):
     dropped_requests: Counter | None = None
     recomputed_requests: Counter | None = None
     waited_requests: Counter | None = None
+    # Requests of the run that finished (or were aborted); engine steps that held only the
+    # run's requests (the worker times those), and steps it shared with other requests
+    # (not timed: their time is not the run's alone). The scheduler side, with step timing.
+    requests_finished: Counter | None = None
+    steps_tagged: Counter | None = None
+    steps_shared: Counter | None = None
     error: Annotated[str, Field(max_length=1000)] | None = None
     requests_filled: Counter | None = None
     blocks_filled: Counter | None = None
@@ -75,7 +81,7 @@ class ConnectorReport(Strict):
 SCHEDULER_COUNTERS = ("requests_seen", "filled_requests", "prefill_requests", "seeding_requests",
                       "cached_requests",
                       "unresolved_requests", "dropped_requests", "recomputed_requests",
-                      "waited_requests")
+                      "waited_requests", "requests_finished", "steps_tagged", "steps_shared")
 
 
 def connector_totals(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
