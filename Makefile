@@ -18,7 +18,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-dev browser compose-tool run test test-quick lint bench clean
+.PHONY: setup setup-dev vllm-wheels browser compose-tool run test test-quick lint bench clean
 
 setup: $(VENV)/.installed-$(EXTRA)
 
@@ -30,12 +30,18 @@ $(VENV)/.installed-$(EXTRA): pyproject.toml
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
-setup-dev: setup $(VENV)/.installed-dev
+setup-dev: setup $(VENV)/.installed-dev vllm-wheels
 
 $(VENV)/.installed-dev: pyproject.toml
 	$(EDITABLE) '.[$(EXTRA),dev,ray]'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
+
+# The next vLLM release's published wheel (336 MB), read as source and never installed by
+# tests/test_vllm_versions.py: fetched from the package index once, into .cache/vllm-wheels
+# (git-ignored); tests/vllm_source.py names the release.
+vllm-wheels: $(VENV)/.installed-dev
+	$(PY) -m tests.vllm_source
 
 # Debian's Chromium for the browser tests (a test tool's own browser download fails offline).
 browser:

@@ -5,6 +5,10 @@ builds a :class:`FillConnectorScheduler`, in each worker process a
 :class:`FillConnectorWorker`; everything else is inherited from vLLM's
 ``DecodeBenchConnector``, which routes each hook to the side that owns it. The three hooks
 around a forward pass also drive the worker's step clock (``connector.steps``).
+
+Runs on vLLM 0.32 and 0.33: both call the hooks with the signatures used here (the
+constructor with ``kv_cache_config``, ``handle_preemptions`` with the metadata), and
+``tests/test_vllm_versions.py`` holds this class to 0.33's published sources.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ class FillConnector(DecodeBenchConnector):  # type: ignore[misc]
             self.connector_scheduler = FillConnectorScheduler(vllm_config, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = FillConnectorWorker(vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: nothing is handed off, so a preempted request's in-flight output is kept.
+
+        vLLM's default is the producer role, True for ``kv_both``: under async scheduling vLLM
+        would then drop a preempted request's in-flight tokens, guarding a hand-off that this
+        connector never makes.
+        """
+        return False
 
     # The step clock (``connector.steps``): vLLM calls these three around every forward pass.
 
