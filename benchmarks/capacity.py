@@ -174,6 +174,9 @@ def main() -> None:
     parser.add_argument("--vllm-sweep", type=float, default=0.0, metavar="SECONDS",
                         help="with --real: also vllm bench sweep serve_workload, stopped after SECONDS")
     parser.add_argument("--vllm-prompts", type=int, default=16)
+    parser.add_argument("--prior", action="store_true",
+                        help="the stub reports roofline facts that are its own law (10 ms of weights, "
+                             "10 ms of KV a stream), so the search aims from its first probe")
     args = parser.parse_args()
     shape = {"input_len": args.input_len or (16384 if args.real else INPUT_LEN),
              "output_len": args.output_len or (32 if args.real else OUTPUT_LEN),
@@ -186,6 +189,14 @@ def main() -> None:
            "STUB_TOKEN_INTERVAL_S": "0.010", "STUB_ITL_SLOPE_S": "0.010"}
     if args.real:
         env.pop("DECODEBENCH_VLLM_COMMAND")
+    elif args.prior:
+        # 1 GB of weights and 1 GB of KV a stream at the mean context (input + half the
+        # output), read at 100 GB/s: 10 ms + 10 ms a stream, the stub's own step.
+        context = shape["input_len"] + shape["output_len"] / 2
+        env["STUB_ROOFLINE"] = json.dumps({
+            "weight_bytes": 10**9, "weight_params": 5 * 10**8, "kv_bytes_per_token": round(1e9 / context),
+            "kv_dtype": "bfloat16", "weight_dtype": "bfloat16", "tensor_parallel_size": 1,
+            "bandwidth": {"measured_bytes_per_s": 10**11, "how": "the stub's law"}, "device": "stub"})
     if args.only_vllm_sweep:
         swept = vllm_sweep(args.vllm_sweep, shape, args.vllm_prompts, data)
         print(f"vllm sweep: {swept}", flush=True)

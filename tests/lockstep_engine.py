@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from scipy import optimize, stats
@@ -105,3 +106,37 @@ def limit_of(metric: str) -> float:
 def true_boundary(metric: str, max_ms: float) -> int:
     """The largest concurrency whose typical run meets the limit."""
     return max(c for c in range(1, CEILING + 1) if true_figure(metric, c) <= max_ms)
+
+
+# --- a whole search on the stand-in ------------------------------------------------------
+
+
+def search(rng: np.random.Generator, metric: str, sigma: float, max_ms: float, ceiling: int,
+           step: Callable[[int], float] = step_s, max_runs: int = 32, aimed: bool = True,
+           growth: Callable[[float], float] | None = None) -> tuple[Any, int]:
+    """One search on the stand-in as ``control.capacity.advance`` runs it: the planner's
+    queue (``next_step``), a trial per queued probe, a look at each probe whose trials ended
+    (``take_looks``: the drift pooled from the search's other looks). Its last step and the
+    runs it spent (stopped before it would spend more than ``max_runs``)."""
+    from service.analysis import capacity
+
+    plan = capacity.plan_for(ceiling)
+    bounds = (capacity.Bound(ceiling, "max_concurrency", ""),)
+    trials: dict[int, list[list[Sample]]] = {}
+    looks: dict[str, Any] = {}
+    probes: dict[int, Any] = {}
+    runs = 0
+    while True:
+        found = capacity.next_step(probes, max_ms, bounds, plan.trial_cap, aimed=aimed, growth=growth)
+        if found.done or found.error or runs + len(found.queue) > max_runs:
+            return found, runs
+        assert found.queue, found
+        for c in found.queue:
+            trials.setdefault(c, []).append(trial(rng, c, sigma, runs, step=step))
+            runs += 1
+        due = [capacity.LookDue(capacity.look_key(1024, c), c, trials[c],
+                                [f"r{c}-{k}" for k in range(len(trials[c]))])
+               for c in dict.fromkeys(found.queue)]
+        looks = capacity.take_looks(due, looks, metric, plan.per_look, max_ms)
+        for probe in due:
+            probes[probe.concurrency] = capacity.look_state(probe.concurrency, looks[probe.key])

@@ -10,42 +10,17 @@ import numpy as np
 import pytest
 
 from service.analysis import capacity
-from service.analysis.capacity import Bound, Probe, look_state, next_step, plan_for, take_look
-from service.analysis.probe_units import drift_from_looks
 from service.core.capacity import SLA_METRICS
-from service.core.sample import Sample
-from tests.lockstep_engine import BOUNDARY, CEILING, limit_of, trial
+from tests.lockstep_engine import BOUNDARY, CEILING, limit_of, search
 
 # --- whole searches: the stated range holds the true boundary ----------------------------
 
 
 def simulated_search(rng: np.random.Generator, metric: str, sigma: float,
                      max_runs: int = 32) -> tuple[capacity.Step, int]:
-    """One search on the stand-in as ``control.capacity.advance`` runs it: the planner's
-    queue, a trial per queued probe, a look (``take_look``, the drift pooled from the
-    search's other looks) at each probe whose trials ended. Its last step and runs spent."""
-    max_ms = limit_of(metric)
-    plan = plan_for(CEILING)
-    bounds = (Bound(CEILING, "max_concurrency", ""),)
-    trials: dict[int, list[list[Sample]]] = {}
-    looks: dict[str, dict[str, object]] = {}
-    probes: dict[int, Probe] = {}
-    runs = 0
-    while True:
-        found = next_step(probes, max_ms, bounds, plan.trial_cap)
-        if found.done or found.error or runs + len(found.queue) > max_runs:
-            return found, runs
-        assert found.queue, found
-        for c in found.queue:
-            trials.setdefault(c, []).append(trial(rng, c, sigma, runs))
-            runs += 1
-        for c in dict.fromkeys(found.queue):
-            key = capacity.look_key(1024, c)
-            ids = [f"r{c}-{k}" for k in range(len(trials[c]))]
-            look = take_look(trials[c], ids, metric, c, plan.per_look, max_ms,
-                             drift_from_looks(looks, leave_out=key))
-            looks[key] = look
-            probes[c] = look_state(c, look)
+    """One search on the stand-in (``lockstep_engine.search``): its last step and runs spent."""
+    step, runs = search(rng, metric, sigma, limit_of(metric), CEILING, max_runs=max_runs)
+    return step, runs
 
 
 @pytest.fixture

@@ -20,8 +20,11 @@ The search, per input length (``next_step``, a pure function of what the probes 
   per_kv_token x (C x L) + per_request x C, so a probe's figure is close to a + b x C. Once
   two probes are measured, the line fitted to their figures (``line_boundary``) puts the
   boundary at C*, and the search probes floor(C*) and floor(C*) + 1 together (within the
-  bracket and the bound). Before that (the second probe is 2), and where the line says
-  nothing (a figure that does not grow, or a C* the verdicts contradict), it doubles
+  bracket and the bound). With one probe measured, the roofline is the prior
+  (``prior_boundary``): the first probe's figure grown as a step's bytes grow with the
+  batch (weights, the experts a batch touches, the KV of every stream), where the server's
+  connector reported those facts. Without them (the second probe is 2), and where neither
+  says anything (a figure that does not grow, or a C* the verdicts contradict), it doubles
   (1, 2, 4, ...) and bisects. It aims only where doubling and bisecting from what the aimed
   probes leave would still judge no more probes than planned (``probes_left``): the aiming
   chooses where to probe, never how a probe is judged;
@@ -62,7 +65,8 @@ whose batch cannot fit the KV cache is *refused* by its runner with the arithmet
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -70,7 +74,8 @@ from typing import Any
 import numpy as np
 
 from service.analysis.intervals import CONFIDENCE, Interval, Spread, across_trials, pooled_quantile_ci
-from service.analysis.probe_units import Drift, ProbeFigure, probe_figure, units_of
+from service.analysis.probe_units import Drift, ProbeFigure, drift_from_looks, probe_figure, units_of
+from service.analysis.roofline import step_growth
 from service.analysis.steady_window import steady_gaps
 from service.core.capacity import FIRST_PROBE_TRIALS
 from service.core.ids import utcnow
@@ -350,10 +355,50 @@ def line_boundary(probes: Mapping[int, Probe], max_ms: float) -> float | None:
     y = np.array([typical for _, _, typical in near])
     sigma = np.array([(f.hi - f.lo) / 2 * typical / f.value for _, f, typical in near])
     weights = 1 / sigma if np.all(np.isfinite(sigma)) and np.all(sigma > 0) else None
-    slope, intercept = np.polyfit(x, y, 1, w=weights)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", np.exceptions.RankWarning)
+            slope, intercept = np.polyfit(x, y, 1, w=weights)
+    except np.exceptions.RankWarning:
+        # Weights spanning many orders (a look of one trial beside pooled ones): unweighted.
+        slope, intercept = np.polyfit(x, y, 1)
     if not (math.isfinite(slope) and math.isfinite(intercept)) or slope <= 0:
         return None
     return float((max_ms / ratio - intercept) / slope)
+
+
+def prior_boundary(probes: Mapping[int, Probe], max_ms: float,
+                   growth: Callable[[float], float] | None) -> float | None:
+    """Where the roofline prior puts the boundary from the one probe measured so far: its
+    typical figure grown as the step's bytes grow with the batch (``roofline.step_growth``:
+    the efficiency it has at that concurrency kept), met with the limit; None without a
+    prior or a measured probe, or with a prior that does not grow."""
+    if growth is None or max_ms <= 0:
+        return None
+    measured = [(c, p) for c, p in probes.items()
+                if p.figure is not None and p.trials > 0 and p.capped is None and p.refused is None
+                and math.isfinite(p.figure.value) and p.figure.value > 0]
+    if not measured:
+        return None
+    c0, probe = max(measured)
+    assert probe.figure is not None
+    typical = probe.typical if probe.typical is not None and probe.typical > 0 else probe.figure.value
+    # A tail limit aims at its limit over the ratio of its figure to the typical (as the line).
+    target = max_ms / (probe.figure.value / typical)
+    scale = typical / growth(c0)
+
+    def over(c: float) -> float:
+        return scale * growth(c) - target
+
+    lo, hi = 0.0, float(1 << 20)
+    if over(hi) < 0 or growth(hi) <= growth(1.0):
+        return None  # the prior never meets the limit (no bytes that grow with the batch)
+    if over(lo) >= 0:
+        return 0.0
+    for _ in range(60):  # bisection to well under one concurrency
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if over(mid) < 0 else (lo, mid)
+    return lo
 
 
 def probes_left(last_pass: int, first_fail: int | None, bound: int) -> int:
@@ -380,10 +425,12 @@ def _left_after(new: Sequence[int], last_pass: int, first_fail: int | None, boun
 
 
 def aim(probes: Mapping[int, Probe], max_ms: float, last_pass: int, first_fail: int | None,
-        bound: Bound, spent: int, planned: int) -> tuple[tuple[int, ...], float] | None:
+        bound: Bound, spent: int, planned: int,
+        growth: Callable[[float], float] | None = None) -> tuple[tuple[int, ...], float] | None:
     """The probes aimed at the boundary, and where it was put, or None to double or bisect:
-    floor(C*) and floor(C*) + 1, C* from ``line_boundary`` (two probes measured or more),
-    those of the two above ``last_pass``, below ``first_fail`` and within ``bound``.
+    floor(C*) and floor(C*) + 1, C* from ``line_boundary`` (two probes measured or more) or,
+    with one, from the roofline prior (``prior_boundary``, where ``growth`` is known), those
+    of the two above ``last_pass``, below ``first_fail`` and within ``bound``.
 
     - Only where C* lies in the bracket the verdicts leave: a line that disagrees with them
       (drift between runs makes such lines) says nothing of where the boundary is. Where
@@ -395,6 +442,9 @@ def aim(probes: Mapping[int, Probe], max_ms: float, last_pass: int, first_fail: 
     if last_pass >= top:
         return None
     estimate = line_boundary(probes, max_ms)
+    if estimate is None and not any(p.drifts for p in probes.values()):
+        # Where runs drift, the first probe's figure is one draw of its level: no prior from it.
+        estimate = prior_boundary(probes, max_ms, growth)
     if estimate is None or not last_pass <= estimate < (first_fail or math.inf):
         return None  # no line, or one that disagrees with the verdicts (drift makes those)
     if estimate >= top + 1 and first_fail is None and bound.kind in (CAPPED, REFUSED):
@@ -422,11 +472,13 @@ def aim(probes: Mapping[int, Probe], max_ms: float, last_pass: int, first_fail: 
 
 
 def next_step(probes: Mapping[int, Probe], max_ms: float, bounds: Sequence[Bound],
-              trial_cap: int = TRIAL_CAP, aimed: bool = True) -> Step:
+              trial_cap: int = TRIAL_CAP, aimed: bool = True,
+              growth: Callable[[float], float] | None = None) -> Step:
     """The search's next move given the ``probes`` so far (see the module docstring).
     ``bounds``: the asked ceiling first (the plan's, ``max_probes``), then what the servers
     showed (``server_bounds``). ``aimed`` False: doubling and bisecting only, never aiming
-    (the search before the aiming, which the simulations compare with)."""
+    (the search before the aiming, which the simulations compare with). ``growth``: the
+    roofline's prior for aiming from the first probe (``roofline.step_growth``)."""
     limits = list(bounds)
     for c, p in sorted(probes.items()):
         if p.capped is not None:
@@ -462,16 +514,30 @@ def next_step(probes: Mapping[int, Probe], max_ms: float, bounds: Sequence[Bound
             "output tokens for a steady window, or the server never held the batch"))
     ceiling = first_fail - 1 if first_fail is not None else bound.value
     open_ = sorted(c for c, j in judged.items() if j.verdict == UNDECIDED and last_pass < c <= ceiling)
+    spent = sum(1 for p in probes.values() if p.trials > 0 and p.capped is None and p.refused is None)
+    if open_ == [1] and len(judged) == 1 and growth is not None and aimed:
+        # Only the first probe, undecided (its two trials hold one degree of freedom of drift
+        # between runs): the prior aims from its figure at once. Its verdict matters only if
+        # every aimed probe fails, and it is taken then; a pass above it makes it moot.
+        target = aim(probes, max_ms, 0, None, bound, spent, max_probes(bounds[0].value), growth)
+        if target is not None and min(target[0]) > 1:
+            return replace(known, queue=target[0], aimed_at=target[1])
     if open_:
-        return replace(known, queue=(open_[0],))
+        # The lowest first; but the first probe last where an aim leapt over it: a pass above
+        # makes its verdict moot. An aimed pair (C and C + 1) both undecided after one trial
+        # gets its second trials together: where the aim was right both are the boundary and
+        # need them, and each one's look then pools the other's drift between runs.
+        first = min(open_, key=lambda c: (c == 1 and len(open_) > 1, c))
+        if first + 1 in open_ and all(probes[c].trials < BOUNDARY_TRIALS for c in (first, first + 1)):
+            return replace(known, queue=(first, first + 1))
+        return replace(known, queue=(first,))
     if last_pass < ceiling:
         if not probes:
             # The first probe's trials together: the spread between runs is known
             # before the first verdict (``probe_units``), and no later probe waits for it.
             return replace(known, queue=(1,) * FIRST_PROBE_TRIALS)
-        spent = sum(1 for p in probes.values() if p.trials > 0 and p.capped is None and p.refused is None)
         target = aim(probes, max_ms, last_pass, first_fail, bound, spent,
-                     max_probes(bounds[0].value)) if aimed else None
+                     max_probes(bounds[0].value), growth) if aimed else None
         if target is not None:
             return replace(known, queue=target[0], aimed_at=target[1])
         if first_fail is None:
@@ -581,6 +647,31 @@ def take_look(trials: Sequence[Sequence[Sample]], run_ids: Sequence[str], metric
             "target": found.target, "units_needed": found.needed}
 
 
+@dataclass(frozen=True)
+class LookDue:
+    """A probe whose trials all ended since its last look: its key, concurrency and trials."""
+
+    key: str
+    concurrency: int
+    trials: Sequence[Sequence[Sample]]
+    run_ids: Sequence[str]
+
+
+def take_looks(due: Sequence[LookDue], looks: Mapping[str, Any], metric: str, per_look: float,
+               max_ms: float) -> dict[str, Any]:
+    """The search's looks with every probe in ``due`` looked at (``take_look``), each with
+    the drift between runs pooled from every other look (``drift_from_looks``). Probes
+    whose trials ended together are looked at twice: first for their trials' levels, then
+    each with the others' new levels pooled in, so that no look depends on the order they
+    are taken in (an aimed pair's second trials end together). CPU work: called in a thread."""
+    taken = dict(looks)
+    for _ in range(2 if len(due) > 1 else 1):
+        for probe in due:
+            taken[probe.key] = take_look(probe.trials, probe.run_ids, metric, probe.concurrency,
+                                         per_look, max_ms, drift_from_looks(taken, leave_out=probe.key))
+    return taken
+
+
 def _interval(stored: Sequence[float | None] | None, confidence: float) -> Interval | None:
     if stored is None:
         return None
@@ -616,6 +707,17 @@ def probe_state(p: ProbeRuns, looks: Mapping[str, Any], cancelled_by_search: boo
         seen, pending=pending, capped=capped, refused=p.refused(), failed=len(failed),
         last_error=failed[-1].error if failed else None,
         cancelled=None if cancelled_by_search else cancelled)
+
+
+def growth_of(runs: Sequence[Run], input_len: int) -> Callable[[float], float] | None:
+    """The roofline prior of these probes' servers (``roofline.step_growth``) at their mean
+    decode context (the input and half the output), from the first run whose connector
+    reported the facts; None without any."""
+    facts = next((f for r in runs if isinstance(f := (r.provenance or {}).get("roofline"), dict)), None)
+    if facts is None:
+        return None
+    context = input_len + (tokens_per_request(runs) - input_len) / 2
+    return step_growth(facts, context)
 
 
 def tokens_per_request(runs: Sequence[Run]) -> int:
@@ -734,7 +836,7 @@ def assess(input_lens: Sequence[int], max_ms: float, ceiling: Bound, runs: Seque
         mine = [r for p in probes.values() for r in p.runs]
         states = {c: probe_state(p, looks, cancelled) for c, p in probes.items()}
         bounds = [ceiling, *(server_bounds(mine, tokens_per_request(mine)) if mine else [])]
-        step = next_step(states, max_ms, bounds, trial_cap)
+        step = next_step(states, max_ms, bounds, trial_cap, growth=growth_of(mine, length) if mine else None)
         views = [_probe_view(p, states[c], step.judged.get(c), looks) for c, p in sorted(probes.items())]
         context = Context(length, step, views, len(mine), wall_s(mine, now), ended.get(str(length)))
         if step.last_pass and step.last_pass in probes:

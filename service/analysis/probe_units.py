@@ -272,7 +272,7 @@ def probe_figure(units_by_trial: Sequence[np.ndarray], metric: str, confidence: 
     attainment = target = needed = None
     if q <= TAIL:
         h = half(alpha)
-        figure = Interval(math.exp(centre), math.exp(centre - h), math.exp(centre + h),
+        figure = Interval(math.exp(centre), math.exp(centre - h), _exp(centre + h),
                           confidence).scaled(1000.0)
     else:
         # Every trial's units brought to the trials' common level: what remains is the shape
@@ -282,17 +282,23 @@ def probe_figure(units_by_trial: Sequence[np.ndarray], metric: str, confidence: 
         value = float(np.quantile(scaled, q))
         ci = stats.quantile_test(scaled, q=value, p=q).confidence_interval(1 - alpha / 2)
         lo = float(ci.low) * math.exp(-h) if np.isfinite(ci.low) else 0.0
-        hi = float(ci.high) * math.exp(h) if np.isfinite(ci.high) else math.inf
+        hi = float(ci.high) * _exp(h) if np.isfinite(ci.high) else math.inf
         figure = Interval(value * 1000.0, lo * 1000.0, hi * 1000.0, confidence)
         target, needed = q, needed_units(1 - alpha / 2, q)
         if max_ms is not None:
             limit, size = max_ms / 1000.0, int(scaled.size)
             low, _ = clopper_pearson(int(np.sum(scaled <= limit * math.exp(-h))), size, 1 - alpha / 2)
-            _, high = clopper_pearson(int(np.sum(scaled <= limit * math.exp(h))), size, 1 - alpha / 2)
+            _, high = clopper_pearson(int(np.sum(scaled <= limit * _exp(h))), size, 1 - alpha / 2)
             attainment = Interval(float(np.mean(scaled <= limit)), low, high, confidence)
     return ProbeFigure(figure=figure, levels=tuple(levels.tolist()), within=tuple(within.tolist()),
                        units=units, drift=pooled, sd=math.sqrt(variance), disagreement_p=disagreement,
                        attainment=attainment, target=target, needed=needed, method=method_text(metric))
+
+
+def _exp(x: float) -> float:
+    """e^x, infinite past what a float holds (a look of one trial beside one other has a
+    drift interval wide enough that e^h overflows: nothing bounds it)."""
+    return math.inf if x > 709.0 else math.exp(x)
 
 
 def units_of(trials: Iterable[Sequence[Sample]], concurrency: int, metric: str) -> list[np.ndarray]:

@@ -28,8 +28,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 from service.analysis import prefill_rate
-from service.analysis.capacity import assess, ceiling_bound, look_key, probe_runs, take_look
-from service.analysis.probe_units import drift_from_looks
+from service.analysis.capacity import LookDue, assess, ceiling_bound, look_key, probe_runs, take_looks
 from service.core.errors import NotFound
 from service.core.spec import describe
 from service.storage import capacity, measurements, store
@@ -90,16 +89,17 @@ def advance(engine: Engine, search_id: str) -> int:
     metric, max_ms = str(search.sla["metric"]), float(search.sla["max_ms"])
     per_look = float(search.plan["per_look_confidence"])
     looks = dict(search.looks)
+    due = []
     for probes in probe_runs(runs).values():
         for probe in probes.values():
             if probe.needs_look(looks):
                 trials = probe.succeeded()
-                samples = [measurements.get_samples(engine, r.id) for r in trials]
-                key = look_key(probe.input_len, probe.concurrency)
-                # Drift between runs, pooled over the search's other probes (every input
-                # length: runs drift as a whole), widens this probe's interval.
-                looks[key] = take_look(samples, [r.id for r in trials], metric, probe.concurrency,
-                                       per_look, max_ms, drift_from_looks(looks, leave_out=key))
+                due.append(LookDue(look_key(probe.input_len, probe.concurrency), probe.concurrency,
+                                   [measurements.get_samples(engine, r.id) for r in trials],
+                                   [r.id for r in trials]))
+    # Drift between runs, pooled over the search's other probes (every input length: runs
+    # drift as a whole), widens each probe's interval.
+    looks = take_looks(due, looks, metric, per_look, max_ms)
     prefill = search.plan.get("prefill")
     if prefill is not None:
         for length in search.input_lens:
