@@ -12,6 +12,7 @@ tensors are passed in, and the bandwidth is measured on any torch device.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -118,6 +119,65 @@ def kv_bytes_per_token(
             raise ValueError(f"layer {name}: {nbytes} bytes is not {num_blocks} blocks of "
                              f"{block_size} tokens")
         total += per_token
+    return total
+
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def layer_window(config: Any, index: int) -> tuple[str, int] | None:
+    """How far back layer ``index`` attends, where it does not attend to the whole context:
+    ("sliding", window) for a sliding window layer (Gemma 3's local layers, gpt-oss's), or
+    ("chunked", chunk) for chunked local attention (Llama 4's RoPE layers), read from the
+    config's ``layer_types``; None for a layer that reads every token of context."""
+    text = _text_config(config)
+    kinds = getattr(text, "layer_types", None)
+    if not isinstance(kinds, (list, tuple)) or not 0 <= index < len(kinds):
+        return None
+    window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    if kinds[index] == "sliding_attention" and isinstance(window, int) and window > 0:
+        return "sliding", window
+    if kinds[index] == "chunked_attention" and isinstance(chunk, int) and chunk > 0:
+        return "chunked", chunk
+    return None
+
+
+def windowed_kv(
+    config: Any, kv_caches: Mapping[str, Any], block_sizes: Mapping[str, int], num_blocks: int
+) -> list[dict[str, Any]]:
+    """The part of ``kv_bytes_per_token`` held by layers that attend over a window, per
+    (kind, window): a decode step reads at most the window's tokens of those, not the whole
+    context (``service.analysis.roofline``)."""
+    found: dict[tuple[str, int], int] = {}
+    for name in block_sizes:
+        match = _LAYER_INDEX.search(name)
+        reach = layer_window(config, int(match.group(1))) if match else None
+        if reach is not None:
+            per_token = kv_bytes_per_token(kv_caches, {name: block_sizes[name]}, num_blocks)
+            found[reach] = found.get(reach, 0) + per_token
+    return [{"kind": kind, "window": window, "bytes_per_token": nbytes}
+            for (kind, window), nbytes in sorted(found.items())]
+
+
+def state_bytes_per_sequence(
+    kv_caches: Mapping[str, Any], block_sizes: Mapping[str, int], num_blocks: int
+) -> int:
+    """Bytes of fixed-size state one sequence holds on this rank, summed over the layers
+    that keep state rather than KV (Mamba, gated DeltaNet, other linear attention): each such
+    layer's tensors hold one state per block, and a decode step reads a sequence's whole
+    state whatever its context."""
+    total = 0
+    for name, cache in kv_caches.items():
+        if name in block_sizes:
+            continue
+        if isinstance(cache, torch.Tensor):
+            tensors = [cache]
+        else:
+            tensors = list(cache) if isinstance(cache, (list, tuple)) else []
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.shape[0] == num_blocks:
+                total += tensor[0].numel() * tensor.element_size()
     return total
 
 
@@ -251,8 +311,14 @@ def facts(
     if routed is not None and expert_params:
         moe = {"expert_weight_bytes": expert_params * element_size(weight_dtype) // tp,
                "num_experts": routed[0], "experts_per_token": routed[1]}
+    # Only where the model has them: layers that attend over a window, per-sequence state.
+    windowed = windowed_kv(config, kv_caches, block_sizes, num_blocks)
+    state = state_bytes_per_sequence(kv_caches, block_sizes, num_blocks)
+    extra: dict[str, Any] = {**({"windowed_kv": windowed} if windowed else {}),
+                             **({"state_bytes_per_sequence": state} if state else {})}
     return {
         **moe,
+        **extra,
         "weight_bytes": params * element_size(weight_dtype) // tp,
         "weight_params": params,
         "kv_bytes_per_token": kv_bytes_per_token(kv_caches, block_sizes, num_blocks),

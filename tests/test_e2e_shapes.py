@@ -43,6 +43,8 @@ FAMILIES = [
     ("granite-4.0-h-350m", 4, {}),
     # One MoE layer of 128 experts is 0.6 B parameters: the server needs more memory.
     ("qwen3-30b-a3b", 1, {"gpu_memory_utilization": 0.45}),
+    # Multi-head latent attention: one latent tensor a layer (vLLM's CPU_MLA backend).
+    ("deepseek-v2-lite", 2, {}),
     ("gemma-3-1b", 6, {}),
 ]
 
@@ -106,7 +108,7 @@ def _expected_blocks(group: dict[str, Any]) -> tuple[int, int]:
     """The fewest and most blocks the connector should fill in a group over the run."""
     filled_tokens = INPUT_LEN - 1  # every prompt token but the last, which decode computes
     size = int(group["block_size"])
-    if group["kind"] == "FullAttention":
+    if group["kind"] in ("FullAttention", "MLAAttention"):
         blocks = math.ceil(filled_tokens / size)
         return PROMPTS * blocks, PROMPTS * blocks
     if group["kind"] == "SlidingWindow":
@@ -137,6 +139,8 @@ def test_a_family_fills_like_vllm_and_prefills_on_one_server(
             assert kinds == {"FullAttention", "SlidingWindow"}
         elif shape.family == "mamba-hybrid":
             assert "FullAttention" in kinds and any("Mamba" in k for k in kinds)
+        elif shape.family == "mla":
+            assert kinds == {"MLAAttention"}
         else:
             assert kinds == {"FullAttention"}
         for group in groups:

@@ -26,8 +26,11 @@ GRANITE = "decodebench-shapes/granite-4.0-h-350m"
 
 def test_every_shape_is_one_of_the_families_people_serve() -> None:
     families = {s.family for s in shapes.SHAPES.values()}
-    assert families == {"gqa", "sliding-window", "mamba-hybrid", "moe"}
+    assert families == {"gqa", "sliding-window", "mamba-hybrid", "moe", "mla", "sinks-sliding",
+                        "gated-deltanet-hybrid", "chunked-local"}
+    assert len(shapes.SHAPES) >= 12
     assert shapes.shape_of("decodebench-shapes/qwen3-30b-a3b").mixture_of_experts()
+    assert shapes.shape_of("decodebench-shapes/deepseek-v3").mixture_of_experts()  # n_routed_experts
     assert not shapes.shape_of("decodebench-shapes/qwen2.5-0.5b").mixture_of_experts()
 
 
@@ -51,11 +54,59 @@ def test_the_tokenizer_covers_the_whole_vocabulary(tmp_path: Path) -> None:
     (GRANITE, 4, {"mamba": 3, "attention": 1}),
     (GRANITE, 11, {"mamba": 10, "attention": 1}),
     ("decodebench-shapes/qwen3-30b-a3b", 1, {"decoder": 1}),
+    ("decodebench-shapes/deepseek-v3", 2, {"dense": 1, "moe": 1}),
+    ("decodebench-shapes/deepseek-v3", 4, {"dense": 3, "moe": 1}),
+    ("decodebench-shapes/gpt-oss-20b", 2, {"sliding_attention": 1, "full_attention": 1}),
+    ("decodebench-shapes/qwen3-next-80b-a3b", 2, {"linear_attention": 1, "full_attention": 1}),
+    ("decodebench-shapes/llama-4-scout-17b-16e", 2, {"chunked_attention": 1, "full_attention": 1}),
 ])
 def test_a_reduced_shape_keeps_every_kind_of_layer(model: str, layers: int, kinds: dict[str, int]) -> None:
     plan = shapes.layer_plan(shapes.shape_of(model), layers)
     assert len(plan) == layers
     assert {k: plan.count(k) for k in set(plan)} == kinds
+
+
+@pytest.mark.parametrize(("model", "layers", "written"), [
+    # DeepSeek's dense layers come first: the reduced config counts the ones it keeps.
+    ("decodebench-shapes/deepseek-v3", 2, {"first_k_dense_replace": 1}),
+    ("decodebench-shapes/deepseek-v2-lite", 3, {"first_k_dense_replace": 1}),
+    # Llama 4 writes its kinds as codes: 1 a chunked RoPE layer, 0 a global NoPE one.
+    ("decodebench-shapes/llama-4-scout-17b-16e", 2, {"no_rope_layers": [1, 0]}),
+    ("decodebench-shapes/qwen3-next-80b-a3b", 2, {"layer_types": ["linear_attention", "full_attention"]}),
+])
+def test_a_reduced_shape_writes_its_kinds_as_the_config_reads_them(
+    model: str, layers: int, written: dict[str, Any]
+) -> None:
+    config = shapes.shape_config(shapes.shape_of(model), layers)
+    assert config["num_hidden_layers"] == layers
+    assert {k: config[k] for k in written} == written
+
+
+def test_the_api_says_which_shapes_run_on_a_cpu_and_why_not(client: TestClient) -> None:
+    listed = {s["model"]: s for s in client.get("/api/models").json()["shapes"]}
+    assert len(listed) >= 12
+    assert listed["decodebench-shapes/deepseek-v2-lite"]["runs_on_cpu"] is True
+    assert listed["decodebench-shapes/deepseek-v2-lite"]["why_not"] is None
+    refused = listed["decodebench-shapes/deepseek-v3"]
+    assert refused["runs_on_cpu"] is False and "27.9 GB" in refused["why_not"]
+    assert {m for m, s in listed.items() if not s["runs_on_cpu"]} == {
+        s.model for s in shapes.SHAPES.values() if s.cpu is not None}
+
+
+def test_a_shape_that_cannot_run_on_a_cpu_is_refused_at_submit_with_the_reason(client: TestClient) -> None:
+    response = client.post("/api/runs", json={"model": "decodebench-shapes/gpt-oss-120b", "input_len": 64,
+                                              "output_len": 4, "engine": {"num_layers": 2}})
+    assert response.status_code == 422, response.text
+    assert "does not run on a CPU server" in response.text and "15.2 GB" in response.text
+    runs = client.get("/api/runs").json()
+    assert runs["total"] == 0  # nothing queued
+
+
+def test_a_queued_run_of_such_a_shape_fails_at_placement_on_a_cpu() -> None:
+    spec = RunSpec(model="decodebench-shapes/deepseek-v3", engine=EngineSpec(num_layers=2))
+    problem = spec.cpu_problem()
+    assert problem is not None and problem.startswith("decodebench-shapes/deepseek-v3 does not run on a CPU")
+    assert RunSpec(model="decodebench-shapes/deepseek-v2-lite").cpu_problem() is None
 
 
 def test_a_rewritten_shape_replaces_a_stale_config(tmp_path: Path) -> None:

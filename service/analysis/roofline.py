@@ -12,6 +12,13 @@ bandwidth is one device's: each rank reads its own share from its own memory at 
 time. ``pct_of_roofline`` is that floor over the measured decode median ITL, in percent:
 100 would be a decode that does nothing but stream its bytes at full bandwidth.
 
+Not every layer reads the whole context. A sliding window layer (Gemma 3's local layers,
+gpt-oss's) reads at most its window's tokens, a chunked local attention layer (Llama 4's RoPE
+layers) those of the current chunk, and a layer that keeps state instead of KV (Mamba, gated
+DeltaNet) its sequence's fixed state: the connector reports those parts apart
+(``windowed_kv``, ``state_bytes_per_sequence``) and a sequence's KV read is counted per part at
+the mean context (``kv_read_per_sequence``).
+
 A mixture of experts reads only the routed experts its tokens go to: with ``E`` experts a
 layer, ``k`` per token and a batch of ``B`` tokens a step, routed uniformly at random (as a
 router with dummy weights does), a step touches ``E x (1 - (1 - k/E)^B)`` experts a layer on
@@ -27,7 +34,7 @@ had generated when the gap began. Pure functions: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +105,23 @@ def step_bytes(weight_bytes: float, kv_bytes_per_token: float, batch: float,
     return weight_bytes + batch * context_tokens * kv_bytes_per_token
 
 
+def kv_read_per_sequence(facts: Mapping[str, Any], kv_bytes_per_token: float, context_tokens: float) -> float:
+    """The KV and state bytes a step reads for one decoding sequence at ``context_tokens``:
+    every token of the layers that attend to all of it, at most the window of a sliding
+    window layer, the tokens of the current chunk of a chunked one, and its fixed state."""
+    total = kv_bytes_per_token * context_tokens
+    for part in facts.get("windowed_kv") or []:
+        per_token, window = _positive(part.get("bytes_per_token")), _positive(part.get("window"))
+        if per_token is None or window is None:
+            continue
+        if part.get("kind") == "chunked":
+            reach = (context_tokens - 1) % window + 1 if context_tokens >= 1 else context_tokens
+        else:
+            reach = min(context_tokens, window)
+        total -= per_token * (context_tokens - reach)
+    return total + (_positive(facts.get("state_bytes_per_sequence")) or 0.0)
+
+
 def experts_touched(num_experts: int, per_token: int, batch: float) -> float:
     """Distinct experts a layer's step reads, on average, when ``batch`` tokens each pick
     ``per_token`` of ``num_experts`` uniformly at random."""
@@ -117,6 +141,30 @@ def streamed_weight_bytes(facts: Mapping[str, Any], batch: float) -> float | Non
         return weights
     touched = experts_touched(count, per_token, batch)
     return weights - experts + experts * touched / count
+
+
+def step_growth(facts: Mapping[str, Any] | None, context_tokens: float) -> Callable[[float], float] | None:
+    """How a decode step's bytes grow with its batch at ``context_tokens`` tokens a sequence:
+    ``batch -> step bytes at batch / step bytes at 1``, from the connector's facts (weights,
+    the share of routed experts a batch touches, each sequence's KV and state read as
+    ``kv_read_per_sequence`` counts it); None when the facts lack
+    the weight or KV bytes. The capacity search's prior before it has a line of its own: a
+    step that keeps the efficiency it has at one concurrency takes that much longer."""
+    if not facts:
+        return None
+    weights = _positive(facts.get("weight_bytes"))
+    kv_per_token = facts.get("kv_bytes_per_token")
+    kv = 0.0 if kv_per_token == 0 and not isinstance(kv_per_token, bool) else _positive(kv_per_token)
+    if weights is None or kv is None or context_tokens <= 0:
+        return None
+
+    per_sequence = kv_read_per_sequence(facts, kv, context_tokens)
+
+    def bytes_at(batch: float) -> float:
+        return (streamed_weight_bytes(facts, batch) or weights) + batch * per_sequence
+
+    one = bytes_at(1.0)
+    return lambda batch: bytes_at(batch) / one
 
 
 def _positive(value: Any) -> float | None:
@@ -147,7 +195,7 @@ def roofline(samples: Sequence[Sample], facts: Mapping[str, Any] | None,
     if seen is None:
         return None
     weights = streamed_weight_bytes(facts, seen.batch) or weights
-    total = step_bytes(weights, kv, seen.batch, seen.context_tokens)
+    total = weights + seen.batch * kv_read_per_sequence(facts, kv, seen.context_tokens)
     floor_ms = total / measured * 1000
     itl_ms = _positive(decode_median_itl_ms)
     return {

@@ -134,7 +134,8 @@ def goodput(items: Sequence[str]) -> dict[str, float]:
 # The bundled shapes a run can name (``service.core.shapes``: the command line imports none of
 # the service, so they are listed here too; tests/test_cli.py holds the two lists together).
 BUNDLED_SHAPES = ("smollm2-135m", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-3-1b", "granite-4.0-h-350m",
-                  "qwen3-30b-a3b")
+                  "qwen3-30b-a3b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-32b", "deepseek-v2-lite",
+                  "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b", "qwen3-next-80b-a3b", "llama-4-scout-17b-16e")
 
 
 def run_spec(v: Mapping[str, Any]) -> dict[str, Any]:

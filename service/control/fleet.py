@@ -230,6 +230,11 @@ class Fleet(RegisteredServers):
         slots = self.servers.slots()
         return list(self._gpus) if slots is None else slots
 
+    def on_cpu(self) -> bool:
+        """Whether the servers this service starts run on CPUs: this host has no GPUs it may
+        use, or the cluster's slots are CPUs (``RayServers.slots`` names them ``cpu<k>``)."""
+        return all(slot.startswith("cpu") for slot in self.gpu_ids())
+
     def reserve(self, decision: Decision) -> Placement:
         """Hold what a placement decided for its run, before any await: the reused server
         is busy with it; evicted servers take no runs (their GPUs stay held); the GPUs of

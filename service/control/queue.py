@@ -258,7 +258,7 @@ class Scheduler:
                                             run.id in in_capacity)
                     continue
                 queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size,
-                                        run.pair_id, spec.longest_request(), spec.engine.cpu_problem()))
+                                        run.pair_id, spec.longest_request(), spec.cpu_problem()))
             workers, starting = self.fleet.rows()
             busy_pairs = {r.pair_id for r in self._runners.values() if r.pair_id}
             stopped: list[str] = []

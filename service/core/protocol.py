@@ -135,6 +135,17 @@ class Bandwidth(BaseModel):
     spec_how: Words | None = None
 
 
+class WindowedKV(BaseModel):
+    """The KV bytes per token of the layers that attend over a window: a step reads at most
+    ``window`` tokens of them (``sliding``), or those of the current chunk (``chunked``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    kind: Literal["sliding", "chunked"]
+    window: Annotated[int, Field(ge=1, le=1 << 40)]
+    bytes_per_token: Bytes
+
+
 class RooflineFacts(BaseModel):
     """What a decode step must read, per tensor-parallel rank, and how fast one device reads
     it (``service.analysis.roofline``)."""
@@ -154,6 +165,10 @@ class RooflineFacts(BaseModel):
     expert_weight_bytes: Bytes | None = None
     num_experts: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
     experts_per_token: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
+    # The part of ``kv_bytes_per_token`` in windowed layers (sliding, chunked local), and the
+    # fixed state one sequence holds (Mamba, gated DeltaNet): absent where the model has none.
+    windowed_kv: Annotated[list[WindowedKV], Field(max_length=64)] | None = None
+    state_bytes_per_sequence: Bytes | None = None
 
 
 class KVCacheGroup(BaseModel):

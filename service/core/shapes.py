@@ -32,15 +32,25 @@ class Shape:
     name: str
     # The published model whose config.json these dimensions are.
     source: str
-    # What the shape stands for: "gqa", "sliding-window", "mamba-hybrid", "moe".
+    # What the shape stands for: "gqa", "sliding-window", "mamba-hybrid", "moe", "mla",
+    # "sinks-sliding", "gated-deltanet-hybrid", "chunked-local".
     family: str
     summary: str
     config: dict[str, Any]
     # The config key holding the per-layer kinds, when the shape mixes kinds of layers.
     layer_types_key: str | None = None
+    # The kind each value under ``layer_types_key`` stands for, where the config writes codes
+    # rather than names (Llama 4's ``no_rope_layers``: 1 a RoPE layer, 0 a NoPE one).
+    layer_codes: tuple[tuple[Any, str], ...] = ()
+    # The config key counting the dense layers a mixture of experts starts with (DeepSeek's
+    # ``first_k_dense_replace``): "dense" and "moe" are then the kinds of its layers.
+    dense_prefix_key: str | None = None
     # vLLM flags a server of this shape gets on a CPU unless the run's extra_args say
     # otherwise, each with the reason (a defect of the pinned vLLM CPU build it avoids).
     cpu_flags: tuple[tuple[str, str], ...] = ()
+    # Why a server of this shape cannot run on a CPU, as tried with the pinned vLLM CPU build
+    # at the fewest layers that keep every kind; None where it runs there.
+    cpu: str | None = None
 
     @property
     def model(self) -> str:
@@ -54,19 +64,56 @@ class Shape:
 
     def layer_kinds(self) -> list[str]:
         """The kind of each published layer (one kind for a uniform stack)."""
+        if self.dense_prefix_key is not None:
+            dense = int(self.config[self.dense_prefix_key])
+            return ["dense"] * dense + ["moe"] * (self.layers - dense)
         if self.layer_types_key is None:
             return ["decoder"] * self.layers
-        return list(self.config[self.layer_types_key])
+        names = dict(self.layer_codes)
+        return [names.get(value, value) for value in self.config[self.layer_types_key]]
 
     def mixture_of_experts(self) -> bool:
         """Whether the shape routes tokens to experts."""
-        return int(self.config.get("num_experts") or self.config.get("num_local_experts") or 0) > 0
+        return int(self.config.get("num_experts") or self.config.get("num_local_experts")
+                   or self.config.get("n_routed_experts") or 0) > 0
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Whether vLLM's CPU build serves this shape (``cpu`` says why not)."""
+        return self.cpu is None
 
 
 def _gemma3_layer_types(layers: int, pattern: int) -> list[str]:
     # Every ``pattern``-th layer attends globally, the others over the sliding window.
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
 
+
+def _every_nth(layers: int, nth: int, kind: str, other: str) -> list[str]:
+    # Every ``nth`` layer is of ``kind``, the others of ``other``.
+    return [kind if (i + 1) % nth == 0 else other for i in range(layers)]
+
+
+# Llama 3.1's RoPE: base 500000 stretched eight times past the 8192 positions it was trained on.
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
+# gpt-oss: both sizes share everything but their depth and their number of experts.
+_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+    "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "attention_bias": True,
+    "attention_dropout": 0.0, "experts_per_token": 4, "num_experts_per_tok": 4,
+    "sliding_window": 128, "initial_context_length": 4096, "max_position_embeddings": 131072,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "hidden_act": "silu", "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.9,
+    "output_router_logits": False, "vocab_size": 201088, "tie_word_embeddings": False,
+}
+
+# DeepSeek's multi-head latent attention and its routed + shared experts, as both configs write them.
+_DEEPSEEK_YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                  "original_max_position_embeddings": 4096}
 
 # Granite 4.0-H-350M: 28 Mamba2 layers and 4 of attention, in the published order.
 _GRANITE_LAYERS = (["mamba"] * 10 + ["attention"] + ["mamba"] * 2 + ["attention"] + ["mamba"] * 3
@@ -184,6 +231,181 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "vocab_size": 151936, "tie_word_embeddings": False,
         },
     ),
+    Shape(
+        name="llama-3.1-8b",
+        source="meta-llama/Llama-3.1-8B",
+        family="gqa",
+        summary="Llama 3.1 GQA, 32 layers, 32 query / 8 KV heads, head dim 128, 128k context",
+        config={
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "attention_bias": False,
+            "mlp_bias": False, "hidden_act": "silu", "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
+            "vocab_size": 128256, "tie_word_embeddings": False,
+        },
+    ),
+    Shape(
+        name="llama-3.1-70b",
+        source="meta-llama/Llama-3.1-70B",
+        family="gqa",
+        summary="Llama 3.1 GQA, 80 layers, 64 query / 8 KV heads, head dim 128, 128k context",
+        config={
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "attention_bias": False,
+            "mlp_bias": False, "hidden_act": "silu", "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
+            "vocab_size": 128256, "tie_word_embeddings": False,
+        },
+    ),
+    Shape(
+        name="qwen3-32b",
+        source="Qwen/Qwen3-32B",
+        family="gqa",
+        summary="Qwen3 GQA with q/k norm, 64 layers, 64 query / 8 KV heads, head dim 128",
+        config={
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+            "attention_bias": False, "hidden_act": "silu", "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000, "rope_scaling": None,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": 64,
+            "vocab_size": 151936, "tie_word_embeddings": False,
+        },
+    ),
+    Shape(
+        name="deepseek-v2-lite",
+        source="deepseek-ai/DeepSeek-V2-Lite",
+        family="mla",
+        summary="DeepSeek-V2-Lite: multi-head latent attention (KV latent 512 + 64 RoPE dims), "
+                "27 layers (1 dense, then 64 routed experts, 6 per token, + 2 shared), 16 heads",
+        config={
+            "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+            "num_hidden_layers": 27, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "attention_bias": False,
+            "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+            "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax",
+            "norm_topk_prob": False, "routed_scaling_factor": 1.0, "aux_loss_alpha": 0.001,
+            "seq_aux": True, "hidden_act": "silu", "max_position_embeddings": 163840,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000,
+            "rope_scaling": {**_DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+            "vocab_size": 102400, "tie_word_embeddings": False,
+        },
+        dense_prefix_key="first_k_dense_replace",
+    ),
+    Shape(
+        name="deepseek-v3",
+        source="deepseek-ai/DeepSeek-V3",
+        family="mla",
+        summary="DeepSeek-V3: multi-head latent attention (KV latent 512 + 64 RoPE dims, query "
+                "rank 1536), 61 layers (3 dense, then 256 routed experts, 8 per token, + 1 "
+                "shared), 128 heads; served in bfloat16 (published weights are FP8)",
+        config={
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+            "num_attention_heads": 128, "num_key_value_heads": 128, "attention_bias": False,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+            "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "ep_size": 1,
+            "num_nextn_predict_layers": 1, "hidden_act": "silu",
+            "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+            "rope_scaling": {**_DEEPSEEK_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "vocab_size": 129280, "tie_word_embeddings": False,
+        },
+        dense_prefix_key="first_k_dense_replace",
+        # vLLM 0.32's CPU build serves MLA (its CPU_MLA backend; deepseek-v2-lite runs there):
+        # what stops this one is memory, at the 2 layers that keep a dense and an MoE layer.
+        cpu="its fewest layers that keep every kind (1 dense + 1 MoE) hold 13.94 B parameters, "
+            "27.9 GB in bfloat16 (the MoE layer's 256 routed experts alone are 256 x 3 x 7168 x "
+            "2048 = 11.27 B), more than the 24 GiB CPU machines it was tried on; vLLM 0.32's CPU "
+            "build serves the family (decodebench-shapes/deepseek-v2-lite runs there)",
+    ),
+    Shape(
+        name="gpt-oss-20b",
+        source="openai/gpt-oss-20b",
+        family="sinks-sliding",
+        summary="gpt-oss: attention sinks, sliding window 128 and full layers alternating, 24 "
+                "layers, 64 query / 8 KV heads, head dim 64, 32 experts, 4 per token; served in "
+                "bfloat16 (published experts are MXFP4)",
+        config={**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32,
+                "layer_types": ["sliding_attention", "full_attention"] * 12},
+        layer_types_key="layer_types",
+    ),
+    Shape(
+        name="gpt-oss-120b",
+        source="openai/gpt-oss-120b",
+        family="sinks-sliding",
+        summary="gpt-oss: attention sinks, sliding window 128 and full layers alternating, 36 "
+                "layers, 64 query / 8 KV heads, head dim 64, 128 experts, 4 per token; served in "
+                "bfloat16 (published experts are MXFP4)",
+        config={**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18},
+        layer_types_key="layer_types",
+        # The family runs on vLLM 0.32's CPU build (gpt-oss-20b does); memory stops this one.
+        cpu="its fewest layers that keep every kind (1 sliding + 1 full) hold 7.58 B parameters, "
+            "15.2 GB in bfloat16 (2 layers x 128 experts x 24.9 M = 6.37 B of them), and vLLM's "
+            "CPU server peaked at 1.8x its weights for gpt-oss-20b (10 GB for 5.6 GB): about 27 "
+            "GB, more than the 24 GiB CPU machines it was tried on; vLLM 0.32's CPU build serves "
+            "the family (decodebench-shapes/gpt-oss-20b runs there)",
+    ),
+    Shape(
+        name="qwen3-next-80b-a3b",
+        source="Qwen/Qwen3-Next-80B-A3B-Instruct",
+        family="gated-deltanet-hybrid",
+        summary="Qwen3-Next: 36 gated DeltaNet + 12 gated attention layers (every 4th), 16 query "
+                "/ 2 KV heads, head dim 256; 512 experts, 10 per token, + 1 shared; 256k context",
+        config={
+            "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "num_hidden_layers": 48,
+            # Published as full_attention_interval 4 only; transformers derives these from it.
+            "full_attention_interval": 4,
+            "layer_types": _every_nth(48, 4, "full_attention", "linear_attention"),
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+            "attention_bias": False, "partial_rotary_factor": 0.25,
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
+            "output_router_logits": False, "hidden_act": "silu", "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000000, "rope_scaling": None,
+            "use_sliding_window": False, "vocab_size": 151936, "tie_word_embeddings": False,
+        },
+        layer_types_key="layer_types",
+    ),
+    Shape(
+        name="llama-4-scout-17b-16e",
+        source="meta-llama/Llama-4-Scout-17B-16E",
+        family="chunked-local",
+        summary="Llama 4 Scout (its text model): 36 layers of chunked local attention (chunks of "
+                "8192, RoPE) and 12 global NoPE layers (every 4th), 40 query / 8 KV heads, head "
+                "dim 128; 16 experts, 1 per token, + 1 shared",
+        config={
+            "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+            "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+            "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "head_dim": 128, "attention_bias": False, "attention_chunk_size": 8192,
+            # 1: a RoPE layer attending within its chunk; 0: a NoPE layer attending globally.
+            "no_rope_layers": [1, 1, 1, 0] * 12, "use_qk_norm": True,
+            "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+            "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+            "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+            "output_router_logits": False, "hidden_act": "silu",
+            "max_position_embeddings": 10485760, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+            "vocab_size": 202048, "tie_word_embeddings": False,
+        },
+        layer_types_key="no_rope_layers",
+        layer_codes=((1, "chunked_attention"), (0, "full_attention")),
+    ),
 )}
 
 
@@ -225,7 +447,11 @@ def shape_config(shape: Shape, layers: int | None) -> dict[str, Any]:
     config = {**shape.config, "num_hidden_layers": len(plan),
               "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16"}
     if shape.layer_types_key is not None:
-        config[shape.layer_types_key] = plan
+        codes = {name: code for code, name in shape.layer_codes}
+        config[shape.layer_types_key] = [codes.get(kind, kind) for kind in plan]
+    if shape.dense_prefix_key is not None:
+        # layer_plan keeps the dense layers first: the reduced stack starts with them too.
+        config[shape.dense_prefix_key] = plan.count("dense")
     if shape.config.get("max_window_layers") is not None:
         config["max_window_layers"] = len(plan)
     return config
@@ -273,6 +499,7 @@ def catalogue() -> list[dict[str, Any]]:
         "layers": s.layers, "vocab_size": s.config["vocab_size"],
         "max_position_embeddings": s.config["max_position_embeddings"],
         "cpu_flags": [{"flag": flag, "why": why} for flag, why in s.cpu_flags],
+        "runs_on_cpu": s.runs_on_cpu, "why_not": s.cpu,
     } for s in SHAPES.values()]
 
 

@@ -463,6 +463,21 @@ class RunSpec(Strict):
             return self.stop.min_prompts
         return min(self.prompt_budget(), max(8, 2 * (self.max_concurrency or 0)))
 
+    def shape_cpu_problem(self) -> str | None:
+        """Why vLLM's CPU build cannot serve this run's bundled shape (``Shape.cpu``); None
+        for a shape it serves and for any other model."""
+        if not shapes.is_shape(self.model):
+            return None
+        shape = shapes.SHAPES.get(self.model.removeprefix(shapes.PREFIX))
+        if shape is None or shape.cpu is None:
+            return None
+        return f"{self.model} does not run on a CPU server: {shape.cpu}"
+
+    def cpu_problem(self) -> str | None:
+        """Why a server started on a CPU cannot serve this run: its engine's reason
+        (``EngineSpec.cpu_problem``) or its shape's; None as far as is known."""
+        return self.engine.cpu_problem() or self.shape_cpu_problem()
+
     def longest_request(self) -> RequestLen:
         """This run's longest request: its prompt and its output, ``range_ratio`` applied."""
         return RequestLen(math.floor(self.input_len * (1 + self.range_ratio)),
