@@ -462,3 +462,29 @@ def test_a_run_or_sweep_point_over_the_output_token_limit_is_a_422_that_names_it
         assert sweep.status_code == 422 and "100 x 200 = 20,000" in _detail(sweep)
         assert client.get("/api/runs").json()["total"] == 0
         assert client.post("/api/runs", json={"num_prompts": 100, "output_len": 100}).status_code == 201
+
+
+def test_a_run_whose_end_could_not_be_written_is_cancelled_not_called_finished(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The database refuses every end write of the run (the runner's tries, and the write that
+    # fails it after its runner returned): the run is left "running" with no runner. A cancel
+    # then ends it, where it once answered 409 "already finished (running)".
+    from service.storage import store
+
+    written = store.transition
+
+    def refuse_ends(engine: Any, run_id: str, target: RunStatus, **fields: Any) -> bool:
+        if target in (RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled):
+            raise OSError("disk I/O error (the test's)")
+        return bool(written(engine, run_id, target, **fields))
+
+    monkeypatch.setattr(store, "transition", refuse_ends)
+    run = client.post("/api/runs", json={"input_len": 16, "output_len": 4, "num_prompts": 2}).json()
+    scheduler = client.app.state.scheduler  # type: ignore[attr-defined]
+    seen = wait_for(client, run["id"], lambda r: r["status"] == "running" and not scheduler.handling(r["id"]),
+                    timeout=60)
+    assert seen["status"] == "running"
+    answer = client.post(f"/api/runs/{run['id']}/cancel")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] == "cancelled"
+    assert "without recording its end" in answer.json()["error"]

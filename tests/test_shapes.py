@@ -4,6 +4,7 @@ the service lists them. The servers themselves run in test_e2e_shapes.py."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,20 @@ def test_a_rewritten_shape_replaces_a_stale_config(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps({"num_hidden_layers": 99}))
     assert json.loads((shapes.ensure_shape(tmp_path, GEMMA, 6) / "config.json").read_text())[
         "num_hidden_layers"] == 6
+
+
+def test_threads_writing_one_shape_at_once_each_get_a_whole_model(tmp_path: Path) -> None:
+    # Two runs of one new shape placed at once write its files from two threads of one process:
+    # each file goes to a temporary name of its own (a name by process id alone was shared,
+    # and one thread's rename then found the other's file gone).
+    def write(k: int) -> dict[str, Any]:
+        path = shapes.ensure_shape(tmp_path / f"round{k // 8}", "decodebench-shapes/smollm2-135m", 2)
+        return dict(json.loads((path / "config.json").read_text()))
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        configs = list(pool.map(write, range(8 * 5)))
+    assert all(c["num_hidden_layers"] == 2 for c in configs)
+    assert not list(tmp_path.rglob("*.tmp"))
 
 
 def _refusal(**spec: Any) -> str:

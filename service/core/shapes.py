@@ -15,7 +15,6 @@ not the publisher's: the tokenizer is ours.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -486,9 +485,7 @@ def ensure_shape(models_dir: Path, model: str, layers: int | None = None) -> Pat
         "config.json": config,
     }
     for name, content in files.items():
-        tmp = path / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(content))
-        os.replace(tmp, path / name)
+        tinymodel.write_atomically(path / name, json.dumps(content))
     return path
 
 

@@ -7,8 +7,10 @@ torch or transformers; the files are what Hugging Face loaders expect.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 TINY_MODEL_NAME = "decodebench-tiny"
@@ -99,7 +101,20 @@ def ensure_tiny_model(models_dir: Path) -> Path:
         "config.json": _CONFIG,
     }
     for name, content in files.items():
-        tmp = path / f".{name}.tmp"
-        tmp.write_text(json.dumps(content, indent=1))
-        os.replace(tmp, path / name)
+        write_atomically(path / name, json.dumps(content, indent=1))
     return path
+
+
+def write_atomically(target: Path, text: str) -> None:
+    """Write ``text`` to ``target`` so that no reader sees part of it: to a temporary file of
+    its own beside it (a name no other thread or process writing the same target gets),
+    then renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

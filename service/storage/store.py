@@ -48,6 +48,14 @@ def cancel_queued(engine: Engine, run_id: str, error: str) -> bool:
     return _move(engine, run_id, RunStatus.cancelled, {RunStatus.queued}, {"error": error})
 
 
+def cancel_orphaned(engine: Engine, run_id: str, error: str) -> bool:
+    """Cancel a run left ``starting`` or ``running`` by a runner that has ended (its end
+    write failed every try, and so did the write that fails it after): the guarded move from
+    those two. Only for a run no runner handles (``Scheduler.handling``)."""
+    return _move(engine, run_id, RunStatus.cancelled, {RunStatus.starting, RunStatus.running},
+                 {"error": error})
+
+
 def fail_queued(engine: Engine, run_id: str, error: str) -> bool:
     """Fail a queued run the scheduler cannot place (its stored spec no longer validates, no
     server of this service could take it): the guarded move from ``queued`` only, in one

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -212,14 +213,21 @@ def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
         raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
     if not cancel_one(engine, scheduler, run_id, "cancelled by the user"):
         run = store.get_run(engine, run_id)
-        raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
+        if run.status in FINISHED:
+            raise Conflict(f"run {run_id} already finished ({run.status}); nothing to cancel")
+        raise Conflict(f"run {run_id} could not be cancelled: it is {run.status} and its runner is "
+                       "still writing its end; try again in a few seconds")
     return RunPublic.of(store.get_run(engine, run.id))
 
 
 def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -> bool:
     """Cancel one unfinished run: its runner's, once one has it (waited for, up to
-    ``CANCEL_WAIT_S``); else the guarded move from ``queued``. False when it had finished."""
-    for _ in range(3):
+    ``CANCEL_WAIT_S``); else the guarded move from ``queued``; else, for a run whose runner
+    has ended without recording its end (its writes failed), the guarded move from
+    ``starting`` or ``running``. A runner still writing its end is waited for. False when
+    the run had finished."""
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while True:
         try:
             if scheduler.cancel(run_id).result(timeout=CANCEL_WAIT_S):
                 return True
@@ -229,8 +237,17 @@ def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -
             return True
         if store.get_run(engine, run_id).status in FINISHED:
             return False
-        # Placed between the two looks: its runner has it now.
-    return False
+        if not scheduler.handling(run_id):
+            # Started and no runner has it: one ended without recording how (placed between
+            # the looks above, a runner would have it now and ``handling`` say so).
+            if store.cancel_orphaned(engine, run_id, f"{reason} (its runner had ended without "
+                                     "recording its end)"):
+                return True
+            # Moved on meanwhile: looked at again.
+        elif time.monotonic() <= deadline:
+            time.sleep(0.05)  # its runner is handing it back (writing its end): waited for
+        if time.monotonic() > deadline:
+            return False
 
 
 # The decode figures of finished runs without a summary (cancelled, failed), by (run,
