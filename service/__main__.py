@@ -43,6 +43,8 @@ def ready_banner(settings: Settings) -> str:
         ("/runs/<id>", "one run: its numbers, plots and warnings"),
         ("/sweeps/<id>", "one sweep: every point, plots, fill against prefill"),
         ("/compare?ids=<id>,<id>", "runs or groups side by side"),
+        ("/capacity/<id>", "one capacity search: its probes, the boundary and its confidence"),
+        ("/fidelity", "the fidelity ledger: fill against real prefill per model, at engine steps"),
         ("/docs", "the REST API (OpenAPI), try calls from the browser"),
     ]
     width = max(len(base + path) for path, _ in pages)

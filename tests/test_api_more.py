@@ -417,7 +417,7 @@ def test_the_startup_banner_says_where_to_go_and_where_the_token_is_never_the_to
     assert banner.startswith("decodebench is ready on http://127.0.0.1:8123/")
     assert f"API token: in {tmp_path / 'var' / 'api-token'}" in banner
     assert token not in banner
-    for page in ("/ ", "/runs/<id>", "/sweeps/<id>", "/compare?ids=", "/docs"):
+    for page in ("/ ", "/runs/<id>", "/sweeps/<id>", "/compare?ids=", "/capacity/<id>", "/fidelity", "/docs"):
         assert f"http://127.0.0.1:8123{page}" in banner
     chosen = ready_banner(Settings(data_dir=tmp_path / "var", api_token="s3cret-" + "x" * 30))
     assert "DECODEBENCH_API_TOKEN" in chosen and "s3cret" not in chosen

@@ -75,3 +75,17 @@ def test_an_imported_run_shows_counts_as_integers_and_its_mode_as_its_file_says(
     params = unescape(page.split('id="params"')[1].split("</p>")[0])
     assert "unknown: imported from a vllm bench serve result file" in params
     assert "prefill (real)" not in params
+
+
+def test_a_seeded_run_is_headed_seeded_where_runs_are_compared(client: TestClient) -> None:
+    ids = []
+    for mode in ("seeded", "prefill"):
+        answer = client.post("/api/runs", json={"mode": mode, "input_len": 64, "output_len": 4,
+                                                "num_prompts": 2})
+        assert answer.status_code == 201, answer.text
+        ids.append(answer.json()["id"])
+    for run_id in ids:
+        wait_finished(client, run_id)
+    page = unescape(client.get(f"/compare?ids={ids[0]},{ids[1]}").text)
+    assert page.count("seeded (decode on KV a real prefill wrote") == 1
+    assert page.count("prefill (real)") == 1

@@ -145,8 +145,9 @@ def spec_facts(spec: Mapping[str, Any], imported: Mapping[str, Any] | None = Non
     if spec.get("warmup_prompts"):
         prompts += f" + {spec['warmup_prompts']} warmup"
     fill = spec.get("fill") or {}
-    mode = (f"fill (mean {fill.get('mean')}, std {fill.get('std')})" if spec.get("mode", "fill") == "fill"
-            else "prefill (real)")
+    mode = {"fill": f"fill (mean {fill.get('mean')}, std {fill.get('std')})",
+            "seeded": "seeded (decode on KV a real prefill wrote, from the prefix cache)"}.get(
+        str(spec.get("mode", "fill")), "prefill (real)")
     if imported is not None:
         said = (imported.get("metadata") or {}).get("decodebench")
         mode = (f"{mode}, as its decodebench export says" if isinstance(said, Mapping) and said.get("mode")
