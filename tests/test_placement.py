@@ -6,6 +6,7 @@ The stub server stands in for vLLM and reports the CUDA_VISIBLE_DEVICES it was g
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,23 @@ def test_the_runs_of_a_pair_run_back_to_back_on_one_server(four_gpus: TestClient
         assert first["worker_id"] == second["worker_id"]
     firsts = [min(p, key=lambda r: r["started_at"]) for p in pairs.values()]
     assert len({r["worker_id"] for r in firsts}) >= 2  # the pairs themselves side by side
+
+
+def test_two_runs_starting_servers_of_one_model_each_name_their_own(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two runs of one model at once, two GPUs: a server starts for each, and each run's wait
+    # (its page, /live and the command line) names its own server, not the first one's.
+    monkeypatch.setenv("STUB_STARTUP_DELAY_S", "4")
+    with make_client(tmp_path, gpus="0,1") as client:
+        ids = [client.post("/api/runs", json=_spec(1)).json()["id"] for _ in range(2)]
+        for run_id in ids:
+            wait_for(client, run_id, lambda r: r["status"] == "starting")
+        named = {}
+        for run_id in ids:
+            live = client.get(f"/api/runs/{run_id}/live").json()
+            found = re.search(r"starting vLLM server (w-\w+)", live["waiting"] or "")
+            assert found, live
+            named[run_id] = found[1]
+        assert len(set(named.values())) == 2, named
+        done = [wait_finished(client, run_id) for run_id in ids]
+        assert {r["worker_id"] for r in done} == set(named.values())

@@ -364,6 +364,11 @@ class Fleet(RegisteredServers):
         task.add_done_callback(stopped)
         return task
 
+    def server_of(self, run_id: str) -> str | None:
+        """The id of the server the run holds (one starting for it, or the one it runs on);
+        None while it holds none. From any thread: a read of the fleet's handles."""
+        return next((h.id for h in list(self.workers.values()) if h.busy_run == run_id), None)
+
     def release(self, run_id: str, used: list[WorkerHandle]) -> None:
         """The run is over: the servers it used are idle again (and were used just now,
         for least-recently-used eviction), and it holds no GPUs."""

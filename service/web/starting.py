@@ -34,10 +34,11 @@ PHASE_LINES = 400
 LOG_LINE_CHARS = 400
 
 
-def starting_view(engine: Engine, run: Run) -> dict[str, Any] | None:
-    """While a run is ``starting``: the server being started for it, how long that has taken
-    against the last start of the same model (and engine, where one is known), and the last
-    line of its log."""
+def starting_view(engine: Engine, run: Run, server_id: str | None = None) -> dict[str, Any] | None:
+    """While a run is ``starting``: the server being started for it (``server_id``, the one
+    the fleet started for this run; else the first of its model and engine starting), how
+    long that has taken against the last start of the same model (and engine, where one is
+    known), and the last line of its log."""
     if run.status != RunStatus.starting.value:
         return None
     try:
@@ -45,8 +46,10 @@ def starting_view(engine: Engine, run: Run) -> dict[str, Any] | None:
     except ValidationError:
         key = None
     found = workers.workers_of_model(engine, run.model, 100)
-    current = next((w for w in found if w.status == "starting" and (key is None or w.key == key)),
-                   next((w for w in found if w.status == "starting"), None))
+    # Two runs of one model can each start a server of it: the run's own one, where known.
+    current = next((w for w in found if w.status == "starting" and w.id == server_id), None) or next(
+        (w for w in found if w.status == "starting" and (key is None or w.key == key)),
+        next((w for w in found if w.status == "starting"), None))
     if current is None:
         return {"worker": None, "waiting": "waiting for a vLLM server (another run holds the one it needs, "
                                            "or it is being stopped to make room)"}

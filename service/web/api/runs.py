@@ -301,7 +301,8 @@ def get_live(run_id: str, engine: DB, scheduler: Sched) -> RunLive:
     return RunLive(id=run.id, status=run.status, completed=run.completed, failed=run.failed,
                    total=run.total, elapsed_s=elapsed, eta_s=eta,
                    decode_median_itl_ms=itl if gaps else None, decode_gaps=int(gaps or 0),
-                   error=run.error, waiting=(starting_view(engine, run) or {}).get("waiting"))
+                   error=run.error, waiting=(starting_view(engine, run, scheduler.fleet.server_of(run_id))
+                                             or {}).get("waiting"))
 
 
 @router.get(

@@ -160,7 +160,7 @@ def run_page(request: Request, run_id: str, engine: DB) -> HTMLResponse:
             "took_s": between(run.started_at, ended),
             "cause": cause,
             "log_lines": log_lines,
-            "starting": starting_view(engine, run),
+            "starting": starting_view(engine, run, request.app.state.scheduler.fleet.server_of(run.id)),
             "peak_in_flight": (int(in_flight.max()) if in_flight.size else 0) if values.starts else None,
             "load_format": load_format,
             "group": group,
