@@ -45,3 +45,26 @@ def test_a_starting_workers_log_is_followed_in_whole_lines_across_a_rotation(tmp
     os.replace(log, log.with_name("w.log.1"))
     log.write_bytes(b"after\n")
     assert follower.new_lines() == "after"
+
+
+def test_a_line_written_just_before_a_rotation_is_not_lost(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    follower = LogFollower(log)
+    log.write_bytes(b"(EngineCore pid=1) INFO loading\n")
+    assert follower.new_lines() == "(EngineCore pid=1) INFO loading"
+    # The engine's failure line lands in the file, the copier rotates it (the next chunk did
+    # not fit) and goes on in a new file, all before the follower looks again; the new file
+    # begins with the end of a line the old one began.
+    with log.open("ab") as out:
+        out.write(b"(EngineCore pid=1) ERROR EngineCore failed to start.\n(APIServer pid=2) Traceba")
+    os.replace(log, log.with_name("w.log.1"))
+    log.write_bytes(b"ck (most recent call last):\n")
+    assert follower.new_lines().splitlines() == [
+        "(EngineCore pid=1) ERROR EngineCore failed to start.",
+        "(APIServer pid=2) Traceback (most recent call last):"]
+    # Two rotations between looks: what the older file held is gone with it, not guessed.
+    os.replace(log, log.with_name("w.log.1"))
+    log.write_bytes(b"one\n")
+    os.replace(log, log.with_name("w.log.1"))
+    log.write_bytes(b"two\n")
+    assert follower.new_lines() == "two"

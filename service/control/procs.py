@@ -59,7 +59,9 @@ def log_head(path: Path, max_bytes: int = 1 << 20) -> str:
 
 class LogFollower:
     """What a growing log file gained since the last look, in whole lines; a file rotated
-    meanwhile (``drain_to_capped_file``) is read from its start again."""
+    meanwhile (``drain_to_capped_file``) is read from its start again, after what the
+    rotated copy gained before it was moved aside (a failure line is often the last one
+    written before a rotation)."""
 
     def __init__(self, path: Path, max_bytes: int = 1 << 20) -> None:
         self.path = path
@@ -71,19 +73,39 @@ class LogFollower:
 
     def new_lines(self) -> str:
         """The lines ended since the last call (blocking: call it from a thread)."""
+        rest = b""
         try:
             with self.path.open("rb") as f:
-                inode = os.fstat(f.fileno()).st_ino
-                if inode != self._inode:  # the first look, or a new file after a rotation
-                    self._inode, self._offset, self._partial = inode, 0, b""
+                stat = os.fstat(f.fileno())
+                inode = stat.st_ino
+                # The first look, or a new file after a rotation: another inode, or a file
+                # shorter than what was read of it (a removed file's inode can be reused).
+                if inode != self._inode or stat.st_size < self._offset:
+                    rest = self._rest_of_rotated() if self._inode is not None else b""
+                    if not rest:
+                        self._partial = b""  # the file it began in is gone: not joined to another
+                    self._inode, self._offset = inode, 0
                 f.seek(self._offset)
                 data = f.read(self.max_bytes)
         except OSError:
             return ""
         self._offset += len(data)
-        complete, _, partial = (self._partial + data).rpartition(b"\n")
+        complete, _, partial = (self._partial + rest + data).rpartition(b"\n")
         self._partial = partial[-self.max_bytes:]
         return complete.decode("utf-8", errors="replace")
+
+
+    def _rest_of_rotated(self) -> bytes:
+        """What the file last read gained since, if it is the rotated copy now (``.1``);
+        empty when that copy is another file (rotated again since) or gone."""
+        try:
+            with self.path.with_name(self.path.name + ".1").open("rb") as f:
+                if os.fstat(f.fileno()).st_ino != self._inode:
+                    return b""
+                f.seek(self._offset)
+                return f.read(self.max_bytes)
+        except OSError:
+            return b""
 
 
 def drain_to_capped_file(pipe: IO[bytes], path: Path, max_bytes: int) -> None:
