@@ -1,0 +1,81 @@
+"""The long-context families too large for two servers at once on a CPU machine, end to end
+on a real vLLM (CPU) server: attention sinks with alternating sliding windows (gpt-oss) and a
+gated DeltaNet hybrid (Qwen3-Next), each at the fewest layers that keep every kind.
+
+The same proof as ``test_e2e_shapes.py`` (a fill run with the connector's account whole per
+KV cache group, greedy tokens equal to vLLM's own ``DecodeBenchConnector``, a prefill run on
+the same server), but one server at a time: vLLM's own server answers first and is stopped,
+then the service's runs. Each family has a service of its own, so no idle server of another
+family holds memory meanwhile (a 2-layer gpt-oss-20b server peaks near 11 GB here, a
+Qwen3-Next one near 14 GB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.core import shapes
+from tests.conftest import wait_for
+from tests.test_e2e_shapes import (
+    PROMPTS,
+    _expected_blocks,
+    _reference_texts,
+    _run,
+    _spec,
+    _start_reference,
+    _texts,
+)
+from tests.vllm_process import real_service
+
+pytestmark = pytest.mark.e2e
+
+FILL_MEAN = 0.7
+# (shape, layers, the kinds of KV cache group vLLM makes for it)
+FAMILIES = [
+    ("gpt-oss-20b", 2, {"FullAttention", "SlidingWindow"}),
+    ("qwen3-next-80b-a3b", 2, None),  # a gated DeltaNet layer and one of gated attention
+]
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[httpx.Client]:
+    with real_service(tmp_path / "var") as client:
+        yield client
+
+
+@pytest.mark.parametrize(("name", "layers", "kinds"), FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_a_large_family_fills_like_vllm_and_prefills_one_server_at_a_time(
+    service: httpx.Client, tmp_path: Path, name: str, layers: int, kinds: set[str] | None
+) -> None:
+    spec = _spec(name, layers, {}, fill={"mean": FILL_MEAN, "std": 0.0})
+    model_dir = shapes.ensure_shape(tmp_path / "models", spec["model"], layers)
+    reference, url = _start_reference(model_dir, spec["model"], tmp_path / "upstream.log")
+    expected = _reference_texts(reference, url, model_dir, spec["model"], spec, tmp_path / "upstream.log")
+
+    fill = _run(service, spec)
+    report = wait_for(service, fill["id"], lambda r: r["connector"].get("requests_filled") == PROMPTS,
+                      timeout=15)["connector"]
+    assert report["filled_requests"] == PROMPTS and report["other_requests"] == 0
+    groups = fill["provenance"]["kv_cache_groups"]
+    found = {g["kind"] for g in groups}
+    if kinds is not None:
+        assert found == kinds, groups
+    else:
+        # Attention and the DeltaNet layers' state, in groups of their own.
+        assert "FullAttention" in found and len(found) >= 2, groups
+    for group in groups:
+        assert group["fill"] == "per request"
+        low, high = _expected_blocks(group)
+        got = report["group_blocks"].get(str(group["index"]), 0)
+        assert low <= got <= high, (group, got)
+    assert _texts(service, fill["id"]) == expected
+
+    prefill = _run(service, {**spec, "mode": "prefill", "seed": 6})
+    assert prefill["worker_id"] == fill["worker_id"]  # one server for both modes
+    report = wait_for(service, prefill["id"],
+                      lambda r: r["connector"].get("prefill_requests") == PROMPTS, timeout=15)["connector"]
+    assert report["filled_requests"] == 0 and report["requests_filled"] == 0
