@@ -290,3 +290,25 @@ def test_a_sweep_over_mode_is_what_fills_the_ledger(client: TestClient) -> None:
     assert row["model"] == TINY and row["family"] == "gqa"
     # Each pair is in the ledger: compared on its steps, or named with why it could not be.
     assert row["pairs"] + sum("left out" in n for n in row["notes"]) == 2
+
+
+def test_an_undecided_ledger_says_about_how_many_pairs_would_decide_it() -> None:
+    # Four pairs around 1.01 whose log ratios spread by 4%: the interval straddles 1.05.
+    logs = [0.05, -0.03, 0.06, -0.04]
+    ratios = [PairRatio(f"p{k}", f"f{k}", f"r{k}", v, 0.01, 50, 4, 4096.0) for k, v in enumerate(logs)]
+    ledger = fidelity_ledger.ledger_of(ratios)
+    assert not ledger.decided and ledger.pairs_needed is not None
+    # At that many pairs, an interval as wide as this spread makes it, around the same ratio,
+    # lies inside the band; at one pair fewer it would not.
+    sd, centre = float(np.std(logs, ddof=1)), float(np.mean(logs))
+    edge = min(abs(centre - math.log(b)) for b in fidelity_ledger.BAND)
+    n = ledger.pairs_needed
+    assert t_quantile(n - 1) * sd / math.sqrt(n) <= edge < t_quantile(n - 2) * sd / math.sqrt(n - 1)
+    assert f"about {n} at the spread" in ledger.notes[-1]
+    assert fidelity_ledger.ledger_of(ratios[:1]).pairs_needed is None  # one pair: no spread to go by
+
+
+def t_quantile(df: int) -> float:
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df))

@@ -34,12 +34,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from scipy import stats
 from sqlalchemy import Engine
 
 from service.analysis.comparison import TOLERANCE
 from service.analysis.intervals import CONFIDENCE
-from service.analysis.pairs import ratio_by_pairs
+from service.analysis.pairs import pairs_needed, ratio_by_pairs
 from service.analysis.step_model import StepModel, fit, predict
 from service.core.shapes import is_shape, shape_of
 from service.core.steps import StepRow
@@ -103,6 +104,10 @@ class Ledger:
     mape_median_itl_pct: float | None
     method: str
     notes: list[str] = field(default_factory=list)
+    # Undecided: the pairs that would decide it at the spread between its pairs so far (an
+    # interval as wide as that spread makes it, around the same ratio); None when decided,
+    # with one pair, or past ``pairs.MAX_NEEDED``.
+    pairs_needed: int | None = None
 
 
 def decide(lo: float, hi: float, band: tuple[float, float] = BAND) -> tuple[bool, bool | None]:
@@ -202,10 +207,18 @@ def ledger_of(ratios: Sequence[PairRatio], notes: Sequence[str] = ()) -> Ledger:
         value = (found.value, found.lo, found.hi)
         method = f"{MATCHED}; {OVER_PAIRS}"
     decided, within = decide(value[1], value[2])
+    needed = None
     if not decided:
+        if len(ratios) > 1:
+            # The ratio's distance to the nearer edge of the band, on the log scale the
+            # interval is taken on: the half width that decides it either way.
+            edge = min(abs(math.log(value[0]) - math.log(b)) for b in BAND)
+            spread = float(np.std([r.log_ratio for r in ratios], ddof=1))
+            needed = pairs_needed(spread, edge) if edge > 0 else None
         notes.append(f"undecided: the interval [{value[1]:.3f}, {value[2]:.3f}] straddles an edge of "
-                     f"[{BAND[0]}, {BAND[1]}]; more pairs narrow it")
-    return Ledger(value, decided, within, len(ratios), runs, mape, method, notes)
+                     f"[{BAND[0]}, {BAND[1]}]; more pairs narrow it"
+                     + (f" (about {needed} at the spread between these pairs)" if needed else ""))
+    return Ledger(value, decided, within, len(ratios), runs, mape, method, notes, needed)
 
 
 def family_of(model: str) -> str:
@@ -274,7 +287,8 @@ def row(model: str | None, family: str, sweep: str | None, ledger: Ledger) -> di
     return {"model": model, "family": family, "sweep": sweep,
             "ratio": list(ledger.ratio) if ledger.ratio is not None else None,
             "decided": ledger.decided, "within_5pct": ledger.within_5pct, "runs": ledger.runs,
-            "pairs": ledger.pairs, "mape_median_itl_pct": ledger.mape_median_itl_pct,
+            "pairs": ledger.pairs, "pairs_needed": ledger.pairs_needed,
+            "mape_median_itl_pct": ledger.mape_median_itl_pct,
             "method": ledger.method, "notes": ledger.notes}
 
 

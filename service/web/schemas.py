@@ -518,7 +518,9 @@ class FidelityRow(BaseModel):
     1.05], False when wholly outside, null with ``decided`` false when it straddles an edge.
     ``runs``: the pairs' run ids (fill, prefill); ``sweep``: the sweep they came from
     (a model's newest with step timings). ``mape_median_itl_pct``: the client-side error,
-    mean over pairs of |fill - prefill| / prefill of vLLM's median ITL, in percent."""
+    mean over pairs of |fill - prefill| / prefill of vLLM's median ITL, in percent.
+    ``pairs_needed``: while undecided, about how many pairs would decide it at the spread
+    between its pairs so far (null when decided, with one pair, or past 1000)."""
 
     model: str | None
     family: str
@@ -528,6 +530,7 @@ class FidelityRow(BaseModel):
     within_5pct: bool | None
     runs: list[str]
     pairs: int
+    pairs_needed: int | None = None
     mape_median_itl_pct: float | None
     method: str
     notes: list[str]
