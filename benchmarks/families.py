@@ -47,8 +47,10 @@ FAMILIES: dict[str, tuple[int, dict[str, Any]]] = {
     # windows, a gated DeltaNet hybrid. Llama-4-Scout's two layers peak at 23 GB of 24 on a
     # plain server here: left to a larger machine.
     "deepseek-v2-lite": (2, {}),
-    "gpt-oss-20b": (2, {}),
-    "qwen3-next-80b-a3b": (2, {}),
+    # Their two layers hold about 8 GiB of weights: the default share (0.3 of the machine)
+    # leaves no KV cache.
+    "gpt-oss-20b": (2, {"gpu_memory_utilization": 0.5}),
+    "qwen3-next-80b-a3b": (2, {"gpu_memory_utilization": 0.5}),
 }
 
 

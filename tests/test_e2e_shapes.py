@@ -74,13 +74,14 @@ def _texts(client: httpx.Client, run_id: str) -> list[str]:
     return [s["generated_text"] for s in sorted(samples, key=lambda s: s["index"])]
 
 
-def _start_reference(model_dir: Path, served: str, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start_reference(model_dir: Path, served: str, log_path: Path,
+                     *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """A plain vLLM server with vLLM's own DecodeBenchConnector, starting (not yet ready): it
     starts while the service's server runs the fill, as a second server start is most of a
     family's time."""
     config = json.dumps({"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": {"fill_mean": FILL_MEAN, "fill_std": 0.0}})
-    return start_vllm(model_dir, log_path, "--kv-transfer-config", config, served_name=served,
+    return start_vllm(model_dir, log_path, "--kv-transfer-config", config, *extra, served_name=served,
                       dtype="bfloat16", kv_bytes=1 << 29)
 
 
