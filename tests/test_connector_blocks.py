@@ -178,12 +178,12 @@ def test_requests_of_two_runs_carry_their_own_values(tmp_path: Path, control: Co
     assert seen["values"] == {"a": (0.25, 0.5), "c": (0.015, 0.0)}
     assert seen["runs"] == {"a": "r-a"}
     assert control.hits == 2
-    # Each request lands in its run's counters as its mode says; the steps they ran in
-    # together (three requests of two runs and none) belong to no run (shared, not timed).
+    # Each request lands in its run's counters as its mode says (the step counts and finished
+    # requests, which depend on when each was scheduled, are test_connector_steps.py's).
     def counters(run_id: str) -> dict[str, float]:
         got = sched.connector.connector_scheduler.reporter.snapshot(run_id)
-        assert got.pop("steps_shared") >= 1 and got.pop("steps_tagged", 0) == 0, got
-        return got
+        return {k: v for k, v in got.items()
+                if k not in ("steps_shared", "steps_tagged", "requests_finished")}
 
     assert counters("r-a") == {"requests_seen": 1, "waited_requests": 1, "filled_requests": 1}
     assert counters("p-b") == {"requests_seen": 1, "waited_requests": 1, "prefill_requests": 1}
