@@ -50,7 +50,9 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
     assert (context["max_concurrency"], context["first_failing"]) == (4, None)
     assert context["limited_by"] == "max_concurrency" and context["boundary_range"] == [4, 4]
     probes = {p["concurrency"]: p for p in context["probes"]}
-    assert set(probes) == {1, 2, 4}
+    # 1, then 4: aimed there from the first probe by the roofline the connector reported
+    # (where runs do not drift), or by doubling through 2.
+    assert {1, 4} <= set(probes) <= {1, 2, 4}
     assert all(p["verdict"] == "pass" and p["decided_by"] == "interval" for p in probes.values())
     assert probes[4]["trials"] >= 2  # the boundary's second trial
     assert probes[1]["trials"] >= 2  # the first probe's two, queued together
