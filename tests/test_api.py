@@ -52,6 +52,8 @@ def test_submit_returns_201_with_the_run_queued_and_defaults_filled(client: Test
         ({"ramp_up": {"strategy": "linear", "start_rps": 1, "end_rps": 2, "shape": 3}}, "shape"),
         ({"request_rate": 5, "ramp_up": {"strategy": "linear", "start_rps": 1, "end_rps": 10}},
          "leave request_rate null"),
+        ({"engine": {"kv_cache_gib": 2, "gpu_memory_utilization": 0.5}}, "not both"),
+        ({"engine": {"kv_cache_gib": 0}}, "kv_cache_gib"),
     ],
 )
 def test_bad_spec_is_422_with_a_message(shared_client: TestClient, body: dict[str, Any], needle: str) -> None:

@@ -40,6 +40,15 @@ def test_without_engine_max_model_len_vllm_is_told_to_fit_it() -> None:
     assert _flag(engine_flags(TINY_MODEL_NAME, EngineSpec(max_model_len=4096), on_cpu=True)) == "4096"
 
 
+def test_a_kv_cache_size_is_passed_as_bytes_and_replaces_the_cpu_share() -> None:
+    cpu = engine_flags(TINY_MODEL_NAME, EngineSpec(kv_cache_gib=1.5), on_cpu=True)
+    assert cpu[cpu.index("--kv-cache-memory-bytes") + 1] == str(3 << 29)
+    assert "--gpu-memory-utilization" not in cpu  # vLLM would ignore it; it is not claimed
+    shared = engine_flags(TINY_MODEL_NAME, EngineSpec(), on_cpu=True)
+    assert "--kv-cache-memory-bytes" not in shared
+    assert shared[shared.index("--gpu-memory-utilization") + 1] == "0.3"
+
+
 def test_a_run_longer_than_its_new_server_fits_fails_and_leaves_the_server_idle(
         stub_service: Callable[..., TestClient]) -> None:
     client = stub_service(env=KV)

@@ -90,8 +90,16 @@ def test_the_root_cause_of_a_real_failed_start_is_found_above_the_wrappers(
     # The model alone holds more than the fraction grants: nothing is left for the KV cache.
     ("ValueError: Available memory on node 0 (20.10/23.54 GiB) on kv cache allocation is less than "
      "requested memory for kv (-0.42/3.53 GiB). Reduce CPU memory used by other processes.",
-     "raise engine.gpu_memory_utilization above 0.17: the model alone holds 3.95 GiB of the 3.53 "
-     "GiB the fraction grants"),
+     "set engine.kv_cache_gib to the KV cache the runs need, at most 20.10 GiB (free beside the "
+     "model, which alone holds 3.95 GiB of the 3.53 GiB the fraction grants); or set "
+     "engine.gpu_memory_utilization to the model's 3.95 GiB plus that cache, over the node's 23.54 "
+     "GiB, at most 1.00"),
+    ("ValueError: Available memory on node 0 (2.82/23.54 GiB) on kv cache allocation is less than "
+     "requested memory for kv (-0.03/9.42 GiB). Reduce CPU memory used by other processes.",
+     "set engine.kv_cache_gib to the KV cache the runs need, at most 2.82 GiB (free beside the "
+     "model, which alone holds 9.45 GiB of the 9.42 GiB the fraction grants); or set "
+     "engine.gpu_memory_utilization to the model's 9.45 GiB plus that cache, over the node's 23.54 "
+     "GiB, at most 0.52"),
     ("ValueError: Free memory on device cuda:0 (20.1/79.19 GiB) on startup is less than desired GPU "
      "memory utilization (0.9, 71.27 GiB). Decrease GPU memory utilization or reduce GPU memory "
      "used by other processes.",

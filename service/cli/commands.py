@@ -131,6 +131,8 @@ def run_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-model-len", type=click.IntRange(16), default=None),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None),
         click.option("--gpu-memory-utilization", type=float, default=None),
+        click.option("--kv-cache-gib", type=float, default=None,
+                     help="the KV cache's size in GiB (vLLM's --kv-cache-memory-bytes), instead of a share"),
         click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None),
         click.option("--num-layers", type=click.IntRange(1), default=None,
                      help="Build a bundled shape with this many layers (every kind it has kept)."),
@@ -431,6 +433,8 @@ def _point_text(point: Any) -> str:
 @click.option("--max-model-len", type=click.IntRange(16), default=None)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None)
 @click.option("--gpu-memory-utilization", type=float, default=None)
+@click.option("--kv-cache-gib", type=float, default=None,
+              help="the KV cache's size in GiB (vLLM's --kv-cache-memory-bytes), instead of a share")
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
 @click.option("--num-layers", type=click.IntRange(1), default=None,
               help="Build a bundled shape with this many layers (every kind it has kept).")

@@ -163,7 +163,7 @@ def run_spec(v: Mapping[str, Any]) -> dict[str, Any]:
         spec["ramp_up"] = {"strategy": v["ramp_up_strategy"], "start_rps": v.get("ramp_up_start_rps"),
                            "end_rps": v.get("ramp_up_end_rps")}
     engine = {key: v[key] for key in ("tensor_parallel_size", "max_model_len", "dtype",
-                                      "gpu_memory_utilization", "load_format", "num_layers")
+                                      "gpu_memory_utilization", "kv_cache_gib", "load_format", "num_layers")
               if v.get(key) is not None}
     if v.get("engine_arg"):
         engine["extra_args"] = list(v["engine_arg"])
@@ -203,7 +203,7 @@ def capacity_body(v: Mapping[str, Any]) -> dict[str, Any]:
     if fill:
         base["fill"] = fill
     engine = {key: v[key] for key in ("tensor_parallel_size", "max_model_len", "dtype",
-                                      "gpu_memory_utilization", "load_format", "num_layers")
+                                      "gpu_memory_utilization", "kv_cache_gib", "load_format", "num_layers")
               if v.get(key) is not None}
     if v.get("engine_arg"):
         engine["extra_args"] = list(v["engine_arg"])

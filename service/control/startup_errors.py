@@ -137,8 +137,13 @@ def _cpu_kv(m: re.Match[str]) -> str:
     kv, granted = float(m["kv"]), float(m["granted"])
     held = granted - kv
     if kv <= 0:
-        return (f"raise engine.gpu_memory_utilization above {_ceil2(held / total)}: the model "
-                f"alone holds {held:.2f} GiB of the {m['granted']} GiB the fraction grants")
+        # A share just above the model's would leave the KV cache empty: name the cache's
+        # own size instead, which vLLM then takes from the memory free beside the model.
+        return (f"set engine.kv_cache_gib to the KV cache the runs need, at most {m['free']} GiB "
+                f"(free beside the model, which alone holds {held:.2f} GiB of the {m['granted']} "
+                f"GiB the fraction grants); or set engine.gpu_memory_utilization to the model's "
+                f"{held:.2f} GiB plus that cache, over the node's {m['total']} GiB, at most "
+                f"{_floor2(min(1.0, (free + held) / total))}")
     return (f"set engine.gpu_memory_utilization to at most {_floor2((free + held) / total)} "
             f"({m['free']} of the node's {m['total']} GiB are free and the model holds "
             f"{held:.2f} GiB), or stop what else uses the host's memory")

@@ -73,7 +73,10 @@ def engine_flags(model: str, engine: EngineSpec, on_cpu: bool) -> list[str]:
         "--dtype", engine.dtype or ("float32" if on_cpu else "auto"),
         "--tensor-parallel-size", str(engine.tensor_parallel_size),
     ]  # fmt: skip
-    mem = engine.gpu_memory_utilization or (0.3 if on_cpu else None)
+    kv_bytes = engine.kv_cache_bytes()
+    if kv_bytes is not None:
+        flags += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    mem = engine.gpu_memory_utilization or (0.3 if on_cpu and kv_bytes is None else None)
     if mem is not None:
         flags += ["--gpu-memory-utilization", str(mem)]
     # Without engine.max_model_len, -1: vLLM takes the model's own length when its KV cache

@@ -96,6 +96,7 @@ def hardware_line(hardware: Mapping[str, Any] | None) -> str | None:
 
 # Resolved engine settings copied to the export's top level, by vLLM's flag names.
 EXPORT_ENGINE_KEYS = ("dtype", "max_model_len", "tensor_parallel_size", "gpu_memory_utilization",
+                      "kv_cache_memory_bytes",
                       "kv_cache_dtype", "block_size", "enforce_eager", "enable_prefix_caching",
                       "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
                       "load_format")

@@ -169,6 +169,10 @@ class EngineSpec(Strict):
     max_model_len: Int | None = Field(default=None, ge=16, le=MAX_INPUT_LEN + MAX_OUTPUT_LEN)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    # The KV cache's size itself (vLLM's --kv-cache-memory-bytes, here in GiB), instead of a
+    # share of the device: on a CPU vLLM then takes it from the memory free beside the model,
+    # where a share must also hold the model and its peak at start.
+    kv_cache_gib: float | None = Field(default=None, gt=0.0, le=65536.0, allow_inf_nan=False)
     extra_args: list[str] = Field(default_factory=list, max_length=16)
     # "dummy": random weights (vLLM's --load-format dummy), the model from its config.json
     # and tokenizer alone; decode speed depends on the architecture, not the weight values.
@@ -182,6 +186,17 @@ class EngineSpec(Strict):
     @classmethod
     def _allowed(cls, args: list[str]) -> list[str]:
         return [_check_extra_arg(a) for a in args]
+
+    @model_validator(mode="after")
+    def _one_memory_size(self) -> EngineSpec:
+        if self.kv_cache_gib is not None and self.gpu_memory_utilization is not None:
+            raise ValueError("set engine.kv_cache_gib or engine.gpu_memory_utilization, not both: "
+                             "vLLM ignores the share when the KV cache's size is given")
+        return self
+
+    def kv_cache_bytes(self) -> int | None:
+        """``--kv-cache-memory-bytes`` of ``kv_cache_gib`` (None: vLLM sizes it from the share)."""
+        return None if self.kv_cache_gib is None else int(self.kv_cache_gib * 2**30)
 
     def cpu_problem(self) -> str | None:
         """Why a server of this engine cannot serve on a CPU (None: as far as is known, it can)."""

@@ -292,6 +292,22 @@ def record_report(
     return stored
 
 
+def _refuse_probe_of_active_search(session: Session, run: Run) -> None:
+    search = session.get(CapacitySearch, run.capacity_id) if run.capacity_id is not None else None
+    if search is not None and search.status == SEARCH_ACTIVE:
+        raise Conflict(f"run {run.id} is a probe of capacity search {search.id}, which is still "
+                       f"searching: its looks read every run it has. Cancel the search first "
+                       f"(POST /api/capacity/{search.id}/cancel), or delete the whole search once "
+                       "it has ended")
+
+
+def refuse_probe_of_active_search(engine: Engine, run: Run) -> None:
+    """Conflict when ``run`` is a probe of a capacity search still searching: the lasting
+    reason a delete is refused, told before a passing one (a save still in progress)."""
+    with Session(engine) as session:
+        _refuse_probe_of_active_search(session, run)
+
+
 def delete_run(engine: Engine, run_id: str) -> None:
     """Delete a finished run with everything stored for it: its samples, server metric
     points and the baseline it is (a group's baseline goes with the group's last run).
@@ -304,12 +320,7 @@ def delete_run(engine: Engine, run_id: str) -> None:
         if run.status not in FINISHED:
             raise Conflict(f"run {run_id} is {run.status}: cancel it first "
                            f"(POST /api/runs/{run_id}/cancel), then delete it")
-        search = session.get(CapacitySearch, run.capacity_id) if run.capacity_id is not None else None
-        if search is not None and search.status == SEARCH_ACTIVE:
-            raise Conflict(f"run {run_id} is a probe of capacity search {search.id}, which is still "
-                           f"searching: its looks read every run it has. Cancel the search first "
-                           f"(POST /api/capacity/{search.id}/cancel), or delete the whole search once "
-                           "it has ended")
+        _refuse_probe_of_active_search(session, run)
         arms = [run_id]
         if run.group_id is not None:
             others = session.exec(

@@ -195,6 +195,7 @@ def delete_run(run_id: str, request: Request, engine: DB, scheduler: Sched) -> R
     logs; 409 while it is queued, starting or running (cancel it first), or while the
     capacity search it is a probe of is still searching (cancel the search first)."""
     run = store.get_run(engine, run_id)
+    store.refuse_probe_of_active_search(engine, run)
     if run.status in FINISHED and scheduler.handling(run_id):
         raise Conflict(f"run {run_id} is {run.status} but still saving what it measured; "
                        "delete it in a moment")
