@@ -180,6 +180,7 @@ def follow_capacity(client: Client, search_id: str, console: Console,
     the search has stayed active with every run ended for ``look_wait_s``: no look advances it."""
     said: set[tuple[Any, ...]] = set()
     ended_runs: set[str] = set()
+    phases = _Phases(console)
     idle_since: float | None = None
     try:
         while True:
@@ -211,7 +212,7 @@ def follow_capacity(client: Client, search_id: str, console: Console,
                                   f"{context['runs']} runs", highlight=False, markup=False, soft_wrap=True)
             if search["status"] in SEARCH_ENDS:
                 return dict(search)
-            if not _all_runs_ended(client, search, ended_runs):
+            if not _all_runs_ended(client, search, ended_runs, phases):
                 idle_since = None
             elif idle_since is None:
                 idle_since = time.monotonic()
@@ -228,17 +229,47 @@ def follow_capacity(client: Client, search_id: str, console: Console,
         raise
 
 
-def _all_runs_ended(client: Client, search: Mapping[str, Any], ended: set[str]) -> bool:
+class _Phases:
+    """A line each time a search's run moves on while it waits (its server's start phases,
+    as ``follow_runs`` shows them) and when it starts running: a search's first minutes are
+    a server start and the first probe, which decide nothing to print otherwise."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.said: dict[str, str] = {}
+
+    def saw(self, run_id: str, where: str, live: Mapping[str, Any]) -> None:
+        state = live.get("waiting") or live["status"]
+        if live["status"] in ENDED:
+            return  # the probe's own line says how it ended
+        # A wait's elapsed time moves every second: a new line when its phase does.
+        moved = re.sub(r": \d+[hms\d]*", "", state)
+        if self.said.get(run_id) != moved:
+            self.said[run_id] = moved
+            self.console.print(f"{run_id} ({where}): {state}", highlight=False, markup=False,
+                               soft_wrap=True)
+
+
+def _all_runs_ended(client: Client, search: Mapping[str, Any], ended: set[str],
+                    phases: _Phases | None = None) -> bool:
     """Whether every run of the search has ended (``ended``: the ones seen ended, kept
-    across polls so that each is read until then only)."""
-    ids = {run_id for context in search["contexts"] for probe in context["probes"]
-           for run_id in probe["run_ids"]}
-    ids |= {run_id for context in search["contexts"]
-            for probe in (context.get("prefill") or {}).get("probes", []) for run_id in probe["run_ids"]}
-    if len(ids) < search["runs"]:
-        return False  # a run the answer does not list: it cannot be read, so it may not have ended
-    for run_id in sorted(ids - ended):
-        if client.get(f"/api/runs/{run_id}")["status"] not in ENDED:
-            return False
-        ended.add(run_id)
-    return True
+    across polls so that each is read until then only); each run not ended is shown to
+    ``phases`` on the way."""
+    where: dict[str, str] = {}
+    for context in search["contexts"]:
+        for probe in context["probes"]:
+            for run_id in probe["run_ids"]:
+                where[run_id] = f"input_len={context['input_len']} concurrency={probe['concurrency']}"
+        for probe in (context.get("prefill") or {}).get("probes", []):
+            for run_id in probe["run_ids"]:
+                where[run_id] = f"input_len={context['input_len']} prefill rate={probe['request_rate']:g}/s"
+    all_ended = len(where) >= search["runs"]  # else a run the answer does not list: it may not have ended
+    for run_id in sorted(set(where) - ended):
+        live = client.get(f"/api/runs/{run_id}/live")
+        if phases is not None:
+            phases.saw(run_id, where[run_id], live)
+        if live["status"] not in ENDED:
+            all_ended = False
+        else:
+            ended.add(run_id)
+    return all_ended
