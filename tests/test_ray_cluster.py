@@ -23,6 +23,7 @@ from service.control.procs import remove_rpc_dir, rpc_dir
 from service.core.tinymodel import MAX_MODEL_LEN
 from tests.conftest import free_port, make_client, wait_finished, wait_for
 from tests.service_process import ServiceProcess, pid_alive
+from tests.test_reliability import FAILED_STARTS
 
 # A local Ray cluster: left out of ``make test-quick``.
 pytestmark = pytest.mark.slow
@@ -156,6 +157,31 @@ def test_a_server_that_exits_while_starting_on_a_node_says_why(cluster: Cluster,
     assert "exit code 3" in done["error"] and "Ray node" in done["error"], done["error"]
     assert "stub: exiting at start as told" in done["error"], done["error"]
     # The actor was still asked to stop it: nothing of it is left on its node (this machine).
+    assert worker["status"] == "failed" and worker["backend"] == "ray"
+    assert not rpc_dir(worker["id"]).exists()
+
+
+def test_a_server_whose_engine_failed_on_a_node_fails_at_once_with_the_root_cause(
+        cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real vLLM log up to its engine's failure, then the API server hangs (port bound, no
+    # answer) with its engine alive: only the log on the node says it will never serve.
+    for key, value in {"STUB_PRINT_LOG": str(FAILED_STARTS / "engine_failed_server_hangs.log"),
+                       "STUB_SILENT_PORT": "1", "STUB_ENGINE": "alive"}.items():
+        monkeypatch.setenv(key, value)
+    with make_client(tmp_path, **ray_settings(cluster)) as client:
+        started = time.monotonic()
+        done = wait_finished(client, client.post("/api/runs", json=RUN).json()["id"])
+        elapsed = time.monotonic() - started
+        (worker,) = client.get("/api/workers").json()
+    assert done["status"] == "failed"
+    lines = done["error"].splitlines()
+    assert lines[0].startswith("ValueError: Available memory on node 0 (9.46/12.71 GiB) on kv cache "
+                               "allocation"), done["error"]
+    assert lines[1].startswith("Fix: lower VLLM_CPU_KVCACHE_SPACE"), done["error"]
+    node = worker["node"]["address"]
+    assert lines[2].startswith(f"vLLM server's engine failed to start on node {node} "), done["error"]
+    # Within moments of the log's line, not at the start timeout (300 s here).
+    assert elapsed < 60, elapsed
     assert worker["status"] == "failed" and worker["backend"] == "ray"
     assert not rpc_dir(worker["id"]).exists()
 

@@ -263,7 +263,8 @@ def _all_runs_ended(client: Client, search: Mapping[str, Any], ended: set[str],
         for probe in (context.get("prefill") or {}).get("probes", []):
             for run_id in probe["run_ids"]:
                 where[run_id] = f"input_len={context['input_len']} prefill rate={probe['request_rate']:g}/s"
-    all_ended = len(where) >= search["runs"]  # else a run the answer does not list: it may not have ended
+    # Fewer than it has: a run the answer does not list, which may not have ended.
+    all_ended: bool = len(where) >= int(search["runs"])
     for run_id in sorted(set(where) - ended):
         live = client.get(f"/api/runs/{run_id}/live")
         if phases is not None:

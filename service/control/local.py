@@ -33,6 +33,8 @@ from service.control import provenance
 from service.control.cpu_binding import binding_env, parse_binding_log
 from service.control.handles import LAST_WORDS_WAIT_S, EngineFailed, WorkerError, WorkerHandle, add_worker_row
 from service.control.procs import (
+    ROOT_CAUSE_WAIT_S,
+    STARTING_LINE_S,
     WORKER_ENV,
     LogFollower,
     NoFreePort,
@@ -43,14 +45,12 @@ from service.control.procs import (
     log_head,
     remove_rpc_dir,
     rpc_dir,
+    start_failure,
     stop_process_group,
 )
 from service.control.startup_errors import (
     clock,
     engine_failed,
-    failure_message,
-    is_wrapper,
-    root_cause,
     startup_phase,
 )
 from service.control.vllm_cli import (
@@ -64,7 +64,6 @@ from service.core.ids import new_id, utcnow
 from service.core.spec import RunSpec
 from service.settings import Settings
 from service.storage import workers
-from service.storage.logs import last_lines, log_end
 from service.storage.tables import Worker
 from service.storage.workers import hash_token
 
@@ -75,25 +74,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # (each ask may take its whole timeout: vLLM binds its port long before it answers).
 LOG_POLL_S = 0.25
 HEALTH_POLL_S = 0.5
-# How often the service's log says what a server that is still starting is doing.
-STARTING_LINE_S = 15.0
 HEALTH_TIMEOUT_S = 2.0
-# Once the log says the engine failed: how long its root cause may take to follow (the
-# marker line can come before the traceback that names it).
-ROOT_CAUSE_WAIT_S = 1.0
-# How much of a failed server's log is searched for the root cause: vLLM's wrappers of it
-# fill the last lines, and the cause can be hundreds of lines above them.
-LOG_SEARCHED_BYTES = 4 << 20
-
-
-def _engine_failure(log_path: Path) -> tuple[str, bool]:
-    """The message of a start whose engine failed, and whether the log holds its root cause
-    yet, not only vLLM's wrappers of it (blocking: a search of up to LOG_SEARCHED_BYTES)."""
-    text = log_end(log_path, LOG_SEARCHED_BYTES)
-    cause = root_cause(text)
-    message = failure_message("vLLM server's engine failed to start (the server was stopped)",
-                              text, last_lines(text))
-    return message, cause is not None and not is_wrapper(cause.line)
 
 
 class LocalServers:
@@ -258,7 +239,9 @@ class LocalServers:
                     failed_at = time.monotonic()
                     log.warning("worker %s: its log says its engine failed to start", handle.id)
                 if failed_at is not None:
-                    message, caused = await asyncio.to_thread(_engine_failure, handle.log_path)
+                    message, caused = await asyncio.to_thread(
+                        start_failure, handle.log_path,
+                        "vLLM server's engine failed to start (the server was stopped)")
                     if caused or time.monotonic() - failed_at >= ROOT_CAUSE_WAIT_S:
                         raise EngineFailed(message)
                 if probe is not None and probe.done():
@@ -286,8 +269,7 @@ class LocalServers:
             if handle.log_copier is not None and not handle.alive():
                 # Its last words may still be in the pipe: they are often the cause.
                 handle.log_copier.join(timeout=LAST_WORDS_WAIT_S)
-            text = log_end(handle.log_path, LOG_SEARCHED_BYTES)
-            return failure_message(what, text, last_lines(text))
+            return start_failure(handle.log_path, what)[0]
 
         return await asyncio.to_thread(read)
 

@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import IO
 
+from service.control.startup_errors import failure_message, is_wrapper, root_cause
+from service.storage.logs import last_lines, log_end
+
 # Environment variable that marks a process as ours, so that after a crash we only
 # ever stop process groups this service started.
 WORKER_ENV = "DECODEBENCH_WORKER_ID"
@@ -42,6 +45,26 @@ def rpc_dir(worker_id: str) -> Path:
 def remove_rpc_dir(worker_id: str) -> None:
     """Remove ``rpc_dir`` with whatever a stopped server left in it."""
     shutil.rmtree(rpc_dir(worker_id), ignore_errors=True)
+
+
+# How often the service's log says what a server that is still starting is doing.
+STARTING_LINE_S = 15.0
+# Once a starting server's log says its engine failed: how long its root cause may take to
+# follow (the marker line can come before the traceback that names it).
+ROOT_CAUSE_WAIT_S = 1.0
+# How much of a failed server's log is searched for the root cause: vLLM's wrappers of it
+# fill the last lines, and the cause can be hundreds of lines above them.
+LOG_SEARCHED_BYTES = 4 << 20
+
+
+def start_failure(log_path: Path, what: str) -> tuple[str, bool]:
+    """The message of a server start that failed (``what`` happened), the root cause from
+    its log first, and whether the log holds that cause yet, not only vLLM's wrappers of it
+    (blocking: a search of up to LOG_SEARCHED_BYTES). The same for a server here and one a
+    Ray node's ``ServerHost`` runs."""
+    text = log_end(log_path, LOG_SEARCHED_BYTES)
+    cause = root_cause(text)
+    return failure_message(what, text, last_lines(text)), cause is not None and not is_wrapper(cause.line)
 
 
 class NoFreePort(Exception):

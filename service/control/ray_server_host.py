@@ -25,13 +25,16 @@ from service.control.cpu_binding import binding_env
 from service.control.energy import EnergyMeter
 from service.control.procs import (
     WORKER_ENV,
+    LogFollower,
     drain_to_capped_file,
     free_port,
     log_head,
     remove_rpc_dir,
     rpc_dir,
+    start_failure,
     stop_process_group,
 )
+from service.control.startup_errors import engine_failed, startup_phase
 from service.core.shapes import ensure_bundled
 from service.storage.logs import log_tail
 
@@ -62,6 +65,10 @@ class ServerHost:
         self.log_path = self.dir / f"{worker_id}.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.meter: EnergyMeter | None = None
+        # Read while the server starts, as the service reads a local server's log.
+        self.follower = LogFollower(self.log_path)
+        self.phase: str | None = None
+        self.failed = False
 
     def where(self) -> dict[str, Any]:
         """The node, its address, the GPUs Ray gave this actor, and where the bundled tiny
@@ -118,6 +125,20 @@ class ServerHost:
     def tail(self) -> str:
         """The last lines of the server's log."""
         return log_tail(self.log_path)
+
+    def starting(self) -> dict[str, Any]:
+        """While the server starts: its exit code (None while it runs), the phase its log
+        has reached, and whether the log has said that its engine failed (its API server
+        may hang on the dead engine, never to answer)."""
+        lines = self.follower.new_lines()
+        self.phase = startup_phase(lines.splitlines(), self.phase)
+        self.failed = self.failed or engine_failed(lines)
+        return {"code": self.poll(), "phase": self.phase, "engine_failed": self.failed}
+
+    def failure(self, what: str) -> tuple[str, bool]:
+        """The message of a start that failed (``what`` happened), its root cause from the
+        log first, and whether the log holds that cause yet, not only vLLM's wrappers of it."""
+        return start_failure(self.log_path, what)
 
     def head(self) -> str:
         """The first part of the server's log (what vLLM said while it started)."""

@@ -43,8 +43,10 @@ from sqlalchemy import Engine
 from service.control import provenance
 from service.control.cpu_binding import parse_binding_log
 from service.control.energy import EnergyMeter, result_of
-from service.control.handles import WorkerError, WorkerHandle, add_worker_row
+from service.control.handles import EngineFailed, WorkerError, WorkerHandle, add_worker_row
+from service.control.procs import ROOT_CAUSE_WAIT_S, STARTING_LINE_S
 from service.control.ray_server_host import ServerHost
+from service.control.startup_errors import clock
 from service.control.vllm_cli import (
     answers_as,
     kv_capacity,
@@ -364,22 +366,54 @@ class RayServers:
         return tuple(p.strip() for p in self.settings.ray_forward_env.split(",") if p.strip())
 
     async def _wait_healthy(self, handle: WorkerHandle, process: RayProcess, deadline: float) -> None:
+        """Return once the server answers /health. As for a server started here
+        (``LocalServers._wait_healthy``), its log is read on its node while it starts:
+        ``EngineFailed`` as soon as that says its engine failed (its API server may hang on
+        the dead engine until the start timeout), and every failure leads with the root
+        cause the log names and what to change."""
+        began = time.monotonic()
+        next_line = began + STARTING_LINE_S
+        failed_at: float | None = None
+        where = (handle.node or {}).get("address")
         while True:
             code = process.poll()
             if code is not None:
-                tail = await asyncio.to_thread(process.tail)
-                raise WorkerError(f"vLLM server exited with code {code} before it became healthy"
-                                  f"{handle.ended_why()}; last log lines:\n{tail}")
+                gone = f" ({process.gone})" if process.gone else ""
+                raise WorkerError(await self._start_failure(
+                    process, f"vLLM server exited with code {code} before it became healthy{gone}"))
+            with contextlib.suppress(RayError, TimeoutError):
+                state = await self._ask(process.actor.starting.remote())
+                if state["engine_failed"] and failed_at is None:
+                    failed_at = time.monotonic()
+                    log.warning("worker %s: its log says its engine failed to start", handle.id)
+                if time.monotonic() >= next_line:
+                    next_line += STARTING_LINE_S
+                    log.info("starting vLLM server %s for run %s on node %s: %s, %s", handle.id,
+                             handle.busy_run, where, clock(time.monotonic() - began),
+                             state["phase"] or "starting")
+            if failed_at is not None:
+                message, caused = await self._ask(process.actor.failure.remote(
+                    f"vLLM server's engine failed to start on node {where} (the server was stopped)"))
+                if caused or time.monotonic() - failed_at >= ROOT_CAUSE_WAIT_S:
+                    raise EngineFailed(message)
             # The server itself, not another program on its port (``answers_as``).
             if await answers_as(self.client, handle.url, handle.served_model, 2.0) and process.poll() is None:
                 return
             if time.monotonic() > deadline:
-                tail = await asyncio.to_thread(process.tail)
-                where = (handle.node or {}).get("address")
-                raise WorkerError(f"vLLM server not healthy after "
-                                  f"{self.settings.worker_start_timeout_s:.0f} s on node {where}; "
-                                  f"last log lines:\n{tail}")
+                raise WorkerError(await self._start_failure(
+                    process, f"vLLM server not healthy after {self.settings.worker_start_timeout_s:.0f} s "
+                             f"on node {where}"))
             await asyncio.sleep(0.5)
+
+    async def _start_failure(self, process: RayProcess, what: str) -> str:
+        """A failed start's message read on the server's node, root cause first; where the
+        node cannot be asked (it is gone), its last log lines as last read."""
+        try:
+            message, _ = await self._ask(process.actor.failure.remote(what))
+            return str(message)
+        except (RayError, TimeoutError):
+            tail = await asyncio.to_thread(process.tail)
+            return f"{what}; last log lines:\n{tail}"
 
     async def stop(self, handle: WorkerHandle, status: str = "stopped", error: str | None = None) -> None:
         """Stop the server's process group on its node, then its actor. A server whose
