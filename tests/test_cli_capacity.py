@@ -5,6 +5,7 @@ each is decided, the table with the ratio, refusals, and Ctrl-C."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,3 +139,21 @@ def test_ctrl_c_cancels_the_capacity_search_on_the_service(stub_service: Any) ->
     assert f"cancelled capacity search {search_id} on the service" in stderr
     ended = service.get(f"/api/capacity/{search_id}").json()
     assert ended["status"] == "cancelled"
+
+
+def test_capacity_shows_its_first_server_start_phase_by_phase(stub_service: Any, tmp_path: Any) -> None:
+    from tests.test_service_log import VLLM_START
+
+    excerpt = tmp_path / "vllm-start.log"
+    excerpt.write_text(VLLM_START)
+    # A server whose start takes 12 s, its log stopped at loading weights meanwhile.
+    service = stub_service({**SLOPED, "STUB_PRINT_LOG": str(excerpt), "STUB_STARTUP_DELAY_S": "12"})
+    done = cli(service.control_url, *CAPACITY, timeout=300, env={**os.environ, "COLUMNS": "250"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Before any probe is decided, the first probe's run says what it waits for, phase by
+    # phase (not a line a second), then that it runs.
+    first = done.stderr.split("input_len=8 concurrency=1: ")[0]
+    waited = re.findall(r"r-\w+ \(input_len=8 concurrency=1\): starting vLLM server w-\w+: \d+s, (.*)", first)
+    assert waited and waited[-1] == "loading weights", done.stderr
+    assert len(waited) <= 3, done.stderr
+    assert re.search(r"r-\w+ \(input_len=8 concurrency=1\): running", first), done.stderr
