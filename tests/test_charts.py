@@ -14,6 +14,8 @@ from markupsafe import Markup
 from service.web import charts
 from service.web.charts import Point
 
+pytestmark = pytest.mark.unit
+
 NS = "{http://www.w3.org/2000/svg}"
 HOSTILE = "<script>x</script>"
 
@@ -266,3 +268,48 @@ def test_histogram_of_equal_values_puts_them_in_one_bar() -> None:
 def test_scatter_draws_one_dot_per_point() -> None:
     root = _svg(charts.scatter([(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)], "TTFT", "s", "ms"))
     assert len(_all(root, "circle")) == 3
+
+
+def _title_lines(root: ET.Element) -> list[str]:
+    (title,) = _all(root, "text", "title")
+    return [span.text or "" for span in _all(title, "tspan")]
+
+
+def test_a_long_title_wraps_within_the_width_and_moves_the_plot_down() -> None:
+    title = ("input_len 131072: decode_median_itl_ms against concurrency (intervals at the per-look "
+             "confidence)")
+    short = _svg(charts.lines({"a": [(1, 2.0), (2, 3.0)]}, "T", "x", "y"))
+    root = _svg(charts.lines({"a": [(1, 2.0), (2, 3.0)]}, title, "x", "y"))
+    lines = _title_lines(root)
+    assert " ".join(lines) == title and len(lines) == 2
+    assert all(len(line) * charts.TITLE_CHAR_W <= charts.W - 2 * charts.RIGHT for line in lines)
+    # The plot (and everything under the title) moves down by the added line, and the
+    # chart grows by as much: nothing is cut at its bottom.
+    (body,) = [g for g in _all(root, "g") if g.get("transform")]
+    assert body.get("transform") == f"translate(0 {charts.TITLE_LINE})"
+    assert float(root.get("height", "")) == float(short.get("height", "")) + charts.TITLE_LINE
+    assert _all(body, "polyline", "line") and _all(body, "g", "legend")
+    assert _title_lines(short) == ["T"] and not [g for g in _all(short, "g") if g.get("transform")]
+
+
+def test_an_empty_charts_long_title_wraps_too() -> None:
+    root = ET.fromstring(str(charts.empty("x " * 80)))
+    lines = [span.text or "" for span in root.iter(f"{NS}tspan")]
+    assert len(lines) > 1 and all(len(line) * charts.TITLE_CHAR_W <= charts.W for line in lines)
+
+
+def test_marked_points_take_their_marks_colour_and_each_mark_drawn_a_legend_dot() -> None:
+    marks = {"pass": "#00aa00", "fail": "#cc0000", "undecided": "#999999"}
+    points = [Point(1, 10.0, 9.0, 11.0, mark="pass"), Point(2, 20.0, 18.0, 22.0, mark="fail"), Point(3, 30.0)]
+    root = _svg(charts.lines({"ms": points}, "T", "x", "y", marks=marks))
+    line_color = charts.PALETTE[0]
+    assert [c.get("fill") for c in _all(root, "circle", "dot")] == ["#00aa00", "#cc0000", line_color]
+    assert [e.get("stroke") for e in _all(root, "line", "errorbar")] == ["#00aa00", "#cc0000"]
+    # One line through them all, in the series' colour.
+    (line,) = _all(root, "polyline", "line")
+    assert line.get("stroke") == line_color and len(_coords(line)) == 3
+    # The legend: the series, then a dot per mark drawn (none for "undecided").
+    legend = [(t.text, g.find(f"{NS}circle")) for g in _all(root, "g", "legend") for t in _all(g, "text")]
+    assert [name for name, _ in legend] == ["ms", "pass", "fail"]
+    assert legend[0][1] is None
+    assert [dot.get("fill") for _, dot in legend[1:] if dot is not None] == ["#00aa00", "#cc0000"]

@@ -142,8 +142,10 @@ def _between(html: str, start: str, end: str) -> str:
 
 
 def _text(html: str) -> str:
-    """What a reader sees of some HTML (which may start inside a tag): tags gone, spaces squeezed."""
-    return " ".join(html_unescape(re.sub(r"<[^>]+>", " ", re.sub(r"^[^<>]*>", "", html))).split())
+    """What a reader sees of some HTML (which may start inside a tag): tags gone (a ``<wbr>``,
+    where a line may break, without a space), spaces squeezed."""
+    html = re.sub(r"^[^<>]*>", "", html).replace("<wbr>", "")
+    return " ".join(html_unescape(re.sub(r"<[^>]+>", " ", html)).split())
 
 
 LAUNCH_ERROR = (
@@ -306,6 +308,22 @@ def test_index_runs_show_their_cause_and_sweep_and_can_be_picked_to_compare(clie
     assert picked.status_code == 200 and 'id="compare"' in picked.text
 
 
+def test_index_shows_a_shapes_whole_name_and_the_depth_it_was_built_at(client: TestClient) -> None:
+    shape = "decodebench-shapes/llama-3.2-1b"
+    rows = []
+    for run_id, layers in (("r-depth2", 2), ("r-depth4", 4), ("r-depthall", None)):
+        spec = RunSpec(model=shape, engine=EngineSpec(num_layers=layers)).model_dump()
+        rows.append(Run(id=run_id, spec=spec, model=shape, status="succeeded", total=64))
+    _insert(client, *rows)
+    runs = _between(client.get("/").text, 'id="runs"', "</table>")
+    # The whole name (a break allowed after its "/"), never cut where shapes differ.
+    seen = {run_id: _text(_between(runs, f'value="{run_id}"', "</tr>"))
+            for run_id in ("r-depth2", "r-depth4", "r-depthall")}
+    assert all(shape in text for text in seen.values()), seen
+    assert "2 of 16 layers" in seen["r-depth2"] and "4 of 16 layers" in seen["r-depth4"]
+    assert "layers" not in seen["r-depthall"]
+
+
 def test_sweep_base_spec_shows_only_what_the_grid_did_not_set(client: TestClient) -> None:
     body = {"base": SMALL, "grid": {"input_len": [8, 16], "fill.mean": [0.01, 0.02]}}
     sweep = client.post("/api/sweeps", json=body).json()
@@ -407,7 +425,9 @@ def test_capacity_page_draws_the_sla_curve_and_the_frontier_and_exports_its_prob
     # The frontier: per server against per user, error bars both ways, passes apart from fails.
     assert frontier_svg.count("<title>concurrency ") == judged
     assert frontier_svg.count('class="errorbar"') == frontier_svg.count('class="xerrorbar"') == judged
-    assert "within the SLA" in frontier_svg and "over the SLA or undecided" in frontier_svg
+    # Each dot in its verdict's colour, the verdicts drawn named in the legend.
+    assert "pass: within the SLA" in frontier_svg and "fail: over the SLA" in frontier_svg
+    assert "pass: within the SLA" in sla_svg and "fail: over the SLA" in sla_svg
     # Each probe's runs are linked, from its dots and from its row.
     for probe in context["probes"]:
         for run_id in probe["run_ids"]:

@@ -178,7 +178,7 @@ def capacity_table(search: Mapping[str, Any]) -> Table:
     range that holds it, the first failing concurrency, the decode rates there, the cost."""
     sla = search["sla"]
     table = Table("input_len", "max concurrency", "range", "first failing", "limited by",
-                  "confidence", "tok/s per user", "tok/s per server", "runs", "wall s",
+                  "confidence", "decode tok/s per user (1/TPOT)", "decode tok/s per server", "runs", "wall s",
                   title=(f"capacity search {search['id']} ({search['status']}): largest concurrency with "
                          f"{sla['metric']} <= {sla['max_ms']:g} ms; decode output tokens/s, 95% intervals"))
     for c in search["contexts"]:

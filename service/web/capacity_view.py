@@ -1,5 +1,11 @@
 """A capacity search as the API shows it: per input length the boundary, how sure it is,
-its probes and the decode rates there (from ``service.analysis.capacity.assess``)."""
+its probes and the decode rates there (from ``service.analysis.capacity.assess``).
+
+Two figures per user are shown, each named for what it is: ``tokens_per_s_per_user``, the
+decode rate a stream sees while it decodes (1 / the median full-batch TPOT), which a
+planner sizes by; and ``output_tokens_per_s_per_user``, output throughput over concurrency
+as vLLM's ``plot_pareto`` computes it from the vllm-sweep export, lower by the time to
+first token and the gaps between requests."""
 
 from __future__ import annotations
 
@@ -78,12 +84,30 @@ def _statement(search: CapacitySearch, context: Context, decided: bool) -> str:
     return f"{found}; {sure}"
 
 
-def _probe_public(probe: dict[str, Any]) -> CapacityProbe:
+def output_per_user(probe: Mapping[str, Any], runs: Mapping[str, Run]) -> float | None:
+    """Output tokens/s per stream as vLLM's ``plot_pareto`` divides it: each succeeded
+    trial's output throughput over the probe's concurrency, their mean; None for a capped
+    probe (its concurrency is not what the server ran) or one without a measured trial."""
+    if probe["capped"]:
+        return None
+    rates = []
+    for run_id in probe["run_ids"]:
+        run = runs.get(run_id)
+        if run is None or run.status != RunStatus.succeeded.value:
+            continue
+        throughput = (run.summary or {}).get("output_throughput")
+        if isinstance(throughput, int | float):
+            rates.append(float(throughput) / probe["concurrency"])
+    return sum(rates) / len(rates) if rates else None
+
+
+def _probe_public(probe: dict[str, Any], runs: Mapping[str, Run]) -> CapacityProbe:
     stored = probe.pop("per_user", None)
     rate = (None if stored is None
             else Interval(float(stored[0]), float(stored[1]), float(stored[2]), CONFIDENCE))
     return CapacityProbe(**probe, tokens_per_s_per_user=_figure(rate),
-                         tokens_per_s_per_server=_figure(rate, probe["concurrency"]))
+                         tokens_per_s_per_server=_figure(rate, probe["concurrency"]),
+                         output_tokens_per_s_per_user=output_per_user(probe, runs))
 
 
 def _top(value: float | None, fmt: str = ".4g") -> str:
@@ -212,6 +236,7 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
     state = "decided" if decided else ("stopped" if context.ended is not None else "probing")
     per_user = context.per_user
     rate = _figure(per_user)
+    by_id = {r.id: r for r in runs}
     prefill = prefill_public(search, runs, context.input_len)
     ratio = None
     if context.tpot_trials:
@@ -238,7 +263,7 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
         at_least=decided and step.first_fail is None and step.bound.kind == "max_concurrency",
         decided_by_point_estimate=list(step.by_point_estimate),
         statement=_statement(search, context, decided),
-        probes=[_probe_public(dict(p)) for p in context.probes],
+        probes=[_probe_public(dict(p), by_id) for p in context.probes],
         tokens_per_s_per_user=rate,
         tokens_per_s_per_server=_figure(per_user, step.last_pass) if step.last_pass else None,
         decode_servers_per_prefill_server=ratio, prefill=prefill,
@@ -327,7 +352,7 @@ TABLE_COLUMNS = (
     "figure_ms", "figure_ms_lo", "figure_ms_hi", "confidence",
     "tokens_per_s_per_user", "tokens_per_s_per_user_lo", "tokens_per_s_per_user_hi",
     "tokens_per_s_per_server", "tokens_per_s_per_server_lo", "tokens_per_s_per_server_hi",
-    "capped", "refused", "run_ids",
+    "output_tokens_per_s_per_user", "capped", "refused", "run_ids",
     "context_max_concurrency", "context_first_failing", "context_decided", "context_confidence",
 )
 
@@ -348,7 +373,8 @@ def capacity_table(search: CapacityPublic) -> tuple[list[str], list[dict[str, An
             rows.append(dict(zip(TABLE_COLUMNS, (
                 c.input_len, p.concurrency, p.verdict, p.decided_by, p.trials, search.sla["metric"],
                 search.sla["max_ms"], p.figure_ms, *(p.ci_ms or (None, None)), p.confidence,
-                user, user_lo, user_hi, server, server_lo, server_hi, p.capped, p.refused,
+                user, user_lo, user_hi, server, server_lo, server_hi, p.output_tokens_per_s_per_user,
+                p.capped, p.refused,
                 " ".join(p.run_ids), c.max_concurrency, c.first_failing, c.decided, c.confidence),
                 strict=True)))
     return list(TABLE_COLUMNS), rows

@@ -3,7 +3,8 @@
 Each function returns an ``<svg class="chart">`` element as ``Markup`` for the templates;
 every label is escaped. Hover text is a native ``<title>`` and a click a plain SVG ``<a>``,
 so the charts work without script. Legends sit in a strip below the x-axis label, where
-they can never cover a line.
+they can never cover a line. A title too long for the width wraps onto more lines, and the
+chart below moves down to make room: an SVG clips what passes its edge.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ LEGEND_ROW, SWATCH = 16, 16
 DASH = ' stroke-dasharray="5 3"'
 # Pixels per character of 10px text, a little over the average so estimates do not overlap.
 CHAR_W = 6
+# The same for the title's 13px bold text, and the height of one of its lines.
+TITLE_CHAR_W = 7.8
+TITLE_LINE = 16
 # Steps drawn per CDF: more is invisible at this width and only makes the page heavy.
 CDF_POINTS = 400
 
@@ -43,6 +47,7 @@ class Point:
     label: str = ""  # hover text; a default naming the series and the values when empty
     xlo: float | None = None  # 95% interval ends of x, when x is measured too (a frontier)
     xhi: float | None = None
+    mark: str | None = None  # a name of ``lines``' ``marks``: the dot and its bars in its colour
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -91,20 +96,40 @@ def _href(href: str) -> str:
     return escape(href)
 
 
-def _open(title: str, height: float, role: str = "img") -> str:
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {W} {height}" '
-        f'width="{W}" height="{height}" role="{role}" aria-label="{escape(title)}">'
-        f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" '
-        f'font-weight="600">{escape(title)}</text>'
-    )
+def _title_lines(title: str) -> list[str]:
+    """The title broken at spaces into lines that fit the width (a word longer than a line
+    keeps a line of its own)."""
+    room = int((W - 2 * RIGHT) / TITLE_CHAR_W)
+    lines: list[str] = []
+    for word in title.split():
+        if lines and len(lines[-1]) + 1 + len(word) <= room:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines or [""]
 
 
-def _legend(entries: Sequence[tuple[str, str]], top: float,
-            dashed: Collection[str] = ()) -> tuple[list[str], int]:
+def _svg(title: str, height: float, body: Sequence[str], role: str = "img") -> Markup:
+    """A chart of ``height`` drawn by ``body`` under its title, the body moved down by the
+    title's lines past the first."""
+    lines = _title_lines(title)
+    drop = TITLE_LINE * (len(lines) - 1)
+    spans = "".join(f'<tspan x="{W / 2}" dy="{TITLE_LINE if i else 0}">{escape(line)}</tspan>'
+                    for i, line in enumerate(lines))
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {W} {height + drop}" '
+            f'width="{W}" height="{height + drop}" role="{role}" aria-label="{escape(title)}">'
+            f'<text class="title" x="{W / 2}" y="16" text-anchor="middle" font-size="13" '
+            f'font-weight="600">{spans}</text>')
+    if drop:
+        return Markup("".join([head, f'<g transform="translate(0 {drop})">', *body, "</g></svg>"]))
+    return Markup("".join([head, *body, "</svg>"]))
+
+
+def _legend(entries: Sequence[tuple[str, str]], top: float, dashed: Collection[str] = (),
+            dots: Collection[str] = ()) -> tuple[list[str], int]:
     """Legend entries ``(name, colour)`` left to right from ``top`` down, a new row whenever
     the next would pass the width; the parts and the height they take. Entries named in
-    ``dashed`` get a dashed swatch."""
+    ``dashed`` get a dashed swatch, those in ``dots`` a dot (they colour dots, not lines)."""
     parts: list[str] = []
     x, row = LEFT, 0
     for name, color in entries:
@@ -112,10 +137,12 @@ def _legend(entries: Sequence[tuple[str, str]], top: float,
         if x > LEFT and x + width > W - RIGHT:
             x, row = LEFT, row + 1
         y = top + LEGEND_ROW * row + 11
+        swatch = (f'<circle class="swatch" cx="{x + SWATCH / 2}" cy="{y - 3.5}" r="4" fill="{color}"/>'
+                  if name in dots else
+                  f'<line x1="{x}" x2="{x + SWATCH}" y1="{y - 3.5}" y2="{y - 3.5}" '
+                  f'stroke="{color}" stroke-width="2"{DASH if name in dashed else ""}/>')
         parts.append(
-            f'<g class="legend"><line x1="{x}" x2="{x + SWATCH}" y1="{y - 3.5}" y2="{y - 3.5}" '
-            f'stroke="{color}" stroke-width="2"{DASH if name in dashed else ""}/>'
-            f'<text x="{x + SWATCH + 4}" y="{y}" '
+            f'<g class="legend">{swatch}<text x="{x + SWATCH + 4}" y="{y}" '
             f'font-size="10">{escape(name)}</text></g>'
         )
         x += width
@@ -135,6 +162,7 @@ class _Frame:
         self.xlog = xlog
         self.legend: list[tuple[str, str]] = []
         self.dashed: set[str] = set()
+        self.dots: set[str] = set()
         self.role = "img"
         x0, x1 = self._scale(x[0]), self._scale(x[1])
         if x1 <= x0:
@@ -186,8 +214,8 @@ class _Frame:
         return H - BOTTOM - (y - self.y0) / (self.y1 - self.y0) * (H - TOP - BOTTOM)
 
     def done(self) -> Markup:
-        legend, extra = _legend(self.legend, H, self.dashed)
-        return Markup("".join([_open(self.title, H + extra, self.role), *self.parts, *legend, "</svg>"]))
+        legend, extra = _legend(self.legend, H, self.dashed, self.dots)
+        return _svg(self.title, H + extra, [*self.parts, *legend], self.role)
 
 
 def histogram(values: Values, title: str, xlabel: str, ylabel: str = "count",
@@ -325,7 +353,8 @@ def _xerrorbar(frame: _Frame, p: Point, color: str) -> str:
 
 
 def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: str, xlabel: str,
-          ylabel: str, *, log2_x: bool = False, dashed: Mapping[str, str] | None = None) -> Markup:
+          ylabel: str, *, log2_x: bool = False, dashed: Mapping[str, str] | None = None,
+          marks: Mapping[str, str] | None = None) -> Markup:
     """One line (with dots) per named series, with a legend below the axis. Points with a 95%
     interval get an error bar, and consecutive ones a translucent band; hovering a dot shows
     its values, and a dot with an ``href`` is a link. A point with an x interval (``xlo``,
@@ -333,8 +362,11 @@ def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: st
     ``log2_x`` places x on a log-2 scale with a tick at each measured x, labelled in tokens
     (2k, 32k); x <= 0 is then dropped.
     ``dashed`` names series drawn dashed, each in the colour of the series it maps to (a
-    bound beside the measurement it bounds)."""
+    bound beside the measurement it bounds). ``marks`` gives colours by name: a point whose
+    ``mark`` is one of them has its dot and bars in that colour (a verdict on one line of
+    measurements), and each mark drawn gets a dot in the legend after the series."""
     dashed = dashed or {}
+    marks = marks or {}
     solid = [name for name in series if name not in dashed]
     colors = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(solid)}
     for i, (name, like) in enumerate(dashed.items()):
@@ -364,13 +396,16 @@ def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: st
         dash = DASH if name in dashed else ""
         frame.parts.append(f'<polyline points="{path}" class="line" fill="none" stroke="{color}" '
                            f'stroke-width="2"{dash}/>')
-        frame.parts.extend(_errorbar(frame, p, color) for p in points if p.lo is not None)
-        frame.parts.extend(_xerrorbar(frame, p, color) for p in points if p.xlo is not None)
+        frame.parts.extend(_errorbar(frame, p, marks.get(p.mark or "", color))
+                           for p in points if p.lo is not None)
+        frame.parts.extend(_xerrorbar(frame, p, marks.get(p.mark or "", color))
+                           for p in points if p.xlo is not None)
     # Dots last, on top of every line and band, so each one can be hovered and clicked.
     for name, (color, points) in drawn.items():
         for p in points:
+            fill = marks.get(p.mark or "", color)
             dot = (f'<circle class="dot" cx="{frame.px(p.x):.1f}" cy="{frame.py(p.y):.1f}" r="4" '
-                   f'fill="{color}"><title>{escape(_hover(name, p))}</title></circle>')
+                   f'fill="{fill}"><title>{escape(_hover(name, p))}</title></circle>')
             if p.href is not None:
                 dot = f'<a href="{_href(p.href)}">{dot}</a>'
                 frame.role = "figure"  # an "img" would hide its links from assistive technology
@@ -378,6 +413,11 @@ def lines(series: Mapping[str, Sequence[Point | tuple[float, float]]], title: st
         frame.legend.append((name, color))
         if name in dashed:
             frame.dashed.add(name)
+    used = {p.mark for p in every}
+    for mark, color in marks.items():
+        if mark in used:
+            frame.legend.append((mark, color))
+            frame.dots.add(mark)
     return frame.done()
 
 
@@ -492,13 +532,17 @@ def timeline(panels: Sequence[tuple[str, dict[str, Sequence[tuple[float, float]]
     parts.append(f'<text class="xlabel" x="{W / 2}" y="{height - 6}" text-anchor="middle" '
                  f'font-size="11">{escape(xlabel)}</text>')
     legend, extra = _legend(entries, height)
-    return Markup("".join([_open(title, height + extra), *parts, *legend, "</svg>"]))
+    return _svg(title, height + extra, [*parts, *legend])
 
 
 def empty(title: str) -> Markup:
     """A placeholder when there is nothing to draw."""
+    lines = _title_lines(f"{title}: no data yet")
+    height = 44 + TITLE_LINE * len(lines)
+    spans = "".join(f'<tspan x="{W / 2}" dy="{TITLE_LINE if i else 0}">{escape(line)}</tspan>'
+                    for i, line in enumerate(lines))
     return Markup(
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart empty" viewBox="0 0 {W} 60" '
-        f'width="{W}" height="60"><text x="{W / 2}" y="34" text-anchor="middle" font-size="12" '
-        f'fill="#888">{escape(title)}: no data yet</text></svg>'
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart empty" viewBox="0 0 {W} {height}" '
+        f'width="{W}" height="{height}"><text x="{W / 2}" y="34" text-anchor="middle" font-size="12" '
+        f'fill="#888">{spans}</text></svg>'
     )

@@ -315,10 +315,15 @@ class CapacityProbe(BaseModel):
     decided_by: str | None
     capped: str | None
     refused: str | None
-    # Decode output tokens/s of one stream (1 / the median full-batch TPOT) and of the
-    # server (times ``concurrency``) at its latest look, 95% intervals: the frontier's points.
+    # Decode output tokens/s of one stream while it decodes (1 / the median full-batch TPOT)
+    # and of the server (times ``concurrency``) at its latest look, 95% intervals: the
+    # frontier's points, and what a planner sizes by.
     tokens_per_s_per_user: Figure | None = None
     tokens_per_s_per_server: Figure | None = None
+    # Output tokens/s over the whole run divided by ``concurrency`` (mean over its succeeded
+    # trials; null for a capped probe): what vLLM's ``plot_pareto`` calls tokens/s/user in
+    # the vllm-sweep export. Below the decode rate: it counts time to first token and gaps.
+    output_tokens_per_s_per_user: float | None = None
     # How its figure and verdict were found (the units, how drift between runs is carried).
     method: str | None = None
     # Independent units its latest look rests on (engine steps for ITL, waves for TPOT).
@@ -439,8 +444,9 @@ class CapacityContext(BaseModel):
     decided_by_point_estimate: list[int]
     statement: str
     probes: list[CapacityProbe]
-    # Decode output tokens/s at ``max_concurrency``: one stream's (1 / its median TPOT over
-    # the full-batch window) and the server's (max_concurrency streams), 95% intervals.
+    # Decode output tokens/s at ``max_concurrency``: one stream's while it decodes (1 / its
+    # median TPOT over the full-batch window) and the server's (max_concurrency streams),
+    # 95% intervals; not output throughput / concurrency (``CapacityProbe``).
     tokens_per_s_per_user: Figure | None
     tokens_per_s_per_server: Figure | None
     # With a prefill rate (the query's, the search's, or the one it measured): decode

@@ -19,6 +19,10 @@ The layout, as vLLM's ``benchmarks/sweep/serve.py`` makes it:
 The grid's decodebench names become vLLM's parameter names (``input_len`` is
 ``random_input_len``). Entries are written one after another into a zip stream, each run's
 per-request lists a slice of samples at a time: the archive is never held whole.
+
+``plot_pareto``'s tokens/s/user is each record's ``output_throughput / max_concurrency``: a
+capacity probe's ``output_tokens_per_s_per_user``, not the decode rate per user (1 / TPOT)
+its page and the API's ``tokens_per_s_per_user`` give (``capacity_view``).
 """
 
 from __future__ import annotations

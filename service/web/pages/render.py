@@ -14,6 +14,7 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 
 from service.analysis.metrics import measured
+from service.core.shapes import shape_of
 from service.core.spec import effective_load_format
 from service.web.auth import require_page_reader, session_state
 
@@ -120,6 +121,26 @@ def _bytes(value: Any) -> str:
     return f"{value:.3g} B"
 
 
+def _depth(spec: Mapping[str, Any]) -> str:
+    """How deep a run's (or a search's base's) model was built: ``2 of 16 layers`` for a
+    bundled shape with fewer layers, ``2 layers`` for another model; empty at full depth."""
+    layers = (spec.get("engine") or {}).get("num_layers")
+    if not layers:
+        return ""
+    model = str(spec.get("model", ""))
+    try:
+        return f"{layers} of {shape_of(model).layers} layers"
+    except KeyError:  # not a bundled shape (or one this version does not know)
+        return f"{layers} layers"
+
+
+def _model_name(model: str) -> Markup:
+    """A model's whole name, free to wrap after each ``/`` (a shape's or a repo's prefix)."""
+    return Markup("/<wbr>").join(str(model).split("/"))
+
+
+templates.env.filters["depth"] = _depth
+templates.env.filters["model_name"] = _model_name
 templates.env.filters["unit"] = _unit
 templates.env.filters["per_second"] = _per_second
 templates.env.filters["bytes"] = _bytes
