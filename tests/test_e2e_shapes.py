@@ -41,8 +41,10 @@ FAMILIES = [
     ("smollm2-135m", 2, {}),
     ("qwen2.5-0.5b", 2, {}),
     ("granite-4.0-h-350m", 4, {}),
-    # One MoE layer of 128 experts is 0.6 B parameters: the server needs more memory.
-    ("qwen3-30b-a3b", 1, {"gpu_memory_utilization": 0.45}),
+    # One MoE layer of 128 experts is 0.6 B parameters: the default share of the machine
+    # would leave it no KV cache, so the cache's own size is given (it needs only itself
+    # free beside the model, where a share must hold both).
+    ("qwen3-30b-a3b", 1, {"kv_cache_gib": 1.0}),
     # Multi-head latent attention: one latent tensor a layer (vLLM's CPU_MLA backend).
     ("deepseek-v2-lite", 2, {}),
     ("gemma-3-1b", 6, {}),
@@ -120,6 +122,33 @@ def _expected_blocks(group: dict[str, Any]) -> tuple[int, int]:
     return PROMPTS, PROMPTS * math.ceil(filled_tokens / size)
 
 
+def filled_groups(client: httpx.Client, fill: dict[str, Any]) -> tuple[set[str], list[dict[str, Any]]]:
+    """Assert a fill run's connector account is whole: every request filled, none other,
+    and in each KV cache group the blocks its requests hold (``_expected_blocks``), filled
+    per request; the kinds of its groups and the groups, for the caller's family check."""
+    report = wait_for(client, fill["id"], lambda r: r["connector"].get("requests_filled") == PROMPTS,
+                      timeout=15)["connector"]
+    assert report["filled_requests"] == PROMPTS and report["other_requests"] == 0
+    groups = fill["provenance"]["kv_cache_groups"]
+    assert groups, "the connector described the server's KV cache groups"
+    for group in groups:
+        assert group["fill"] == "per request"
+        low, high = _expected_blocks(group)
+        got = report["group_blocks"].get(str(group["index"]), 0)
+        assert low <= got <= high, (group, got)
+    return {g["kind"] for g in groups}, groups
+
+
+def prefills_on_its_server(client: httpx.Client, spec: dict[str, Any], fill: dict[str, Any]) -> None:
+    """Assert a prefill run of ``spec`` runs on the fill run's server and the connector
+    filled nothing of it."""
+    prefill = _run(client, {**spec, "mode": "prefill", "seed": 6})
+    assert prefill["worker_id"] == fill["worker_id"]  # one server for both modes
+    report = wait_for(client, prefill["id"],
+                      lambda r: r["connector"].get("prefill_requests") == PROMPTS, timeout=15)["connector"]
+    assert report["filled_requests"] == 0 and report["requests_filled"] == 0
+
+
 @pytest.mark.parametrize(("name", "layers", "engine"), FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_a_family_fills_like_vllm_and_prefills_on_one_server(
     service: httpx.Client, tmp_path: Path, name: str, layers: int, engine: dict[str, Any]
@@ -129,12 +158,7 @@ def test_a_family_fills_like_vllm_and_prefills_on_one_server(
     reference, url = _start_reference(model_dir, spec["model"], tmp_path / "upstream.log")
     try:
         fill = _run(service, spec)
-        report = wait_for(service, fill["id"], lambda r: r["connector"].get("requests_filled") == PROMPTS,
-                          timeout=15)["connector"]
-        assert report["filled_requests"] == PROMPTS and report["other_requests"] == 0
-        groups = fill["provenance"]["kv_cache_groups"]
-        assert groups, "the connector described the server's KV cache groups"
-        kinds = {g["kind"] for g in groups}
+        kinds, _ = filled_groups(service, fill)
         shape = shapes.shape_of(spec["model"])
         if shape.family == "sliding-window":
             assert kinds == {"FullAttention", "SlidingWindow"}
@@ -144,22 +168,12 @@ def test_a_family_fills_like_vllm_and_prefills_on_one_server(
             assert kinds == {"MLAAttention"}
         else:
             assert kinds == {"FullAttention"}
-        for group in groups:
-            assert group["fill"] == "per request"
-            low, high = _expected_blocks(group)
-            got = report["group_blocks"].get(str(group["index"]), 0)
-            assert low <= got <= high, (group, got)
 
         expected = _reference_texts(reference, url, model_dir, spec["model"], spec, tmp_path / "upstream.log")
     finally:
         stop(reference)  # stopped already unless an assertion above failed
     assert _texts(service, fill["id"]) == expected
-
-    prefill = _run(service, {**spec, "mode": "prefill", "seed": 6})
-    assert prefill["worker_id"] == fill["worker_id"]  # one server for both modes
-    report = wait_for(service, prefill["id"],
-                      lambda r: r["connector"].get("prefill_requests") == PROMPTS, timeout=15)["connector"]
-    assert report["filled_requests"] == 0 and report["requests_filled"] == 0
+    prefills_on_its_server(service, spec, fill)
 
 
 def test_startup_fill_writes_nothing_per_request_and_decodes_what_a_per_request_fill_does(
