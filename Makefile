@@ -18,7 +18,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-dev vllm-wheels browser compose-tool run test test-quick lint bench clean
+.PHONY: setup setup-dev vllm-wheels browser compose-tool run test test-quick test-unit lint bench clean
 
 setup: $(VENV)/.installed-$(EXTRA)
 
@@ -73,7 +73,7 @@ QUICK_WORKERS ?= 6
 # 11.7-11.8 with one, 12.0 s of wall either way), and on workers it spins on the cores the
 # other workers need.
 OPENBLAS_NUM_THREADS ?= 1
-test test-quick: export OPENBLAS_NUM_THREADS := $(OPENBLAS_NUM_THREADS)
+test test-quick test-unit: export OPENBLAS_NUM_THREADS := $(OPENBLAS_NUM_THREADS)
 
 test: setup-dev browser compose-tool lint
 	$(PY) -m pytest -x -q --durations=25 -n $(TEST_WORKERS)
@@ -82,6 +82,17 @@ test: setup-dev browser compose-tool lint
 # cluster or a browser, or fuzz for minutes (slow). No lint; `make test` is the whole suite.
 test-quick: setup-dev compose-tool
 	$(PY) -m pytest -x -q --durations=10 -m "not e2e and not slow" -n $(QUICK_WORKERS)
+
+# The pure tests alone: the modules marked `unit` (capacity planner, intervals and other
+# statistics, step model, placement, start failures, ...), through fakes: no server, no
+# process, no Ray cluster, no browser; 45 s on 2 cores. Only those modules are
+# collected (each says so in the line grepped for; tests/test_suite_tiers.py holds them to
+# it), and no vLLM wheel is fetched.
+UNIT_TESTS = $(shell grep -l '^pytestmark = pytest.mark.unit$$' tests/test_*.py)
+UNIT_WORKERS ?= 2
+
+test-unit: setup $(VENV)/.installed-dev
+	$(PY) -m pytest -x -q --durations=5 -m unit -n $(UNIT_WORKERS) $(UNIT_TESTS)
 
 # token_stub.py (the stub server) and harness.py (process helpers) are not benchmarks.
 BENCHES := $(filter-out benchmarks/token_stub.py benchmarks/harness.py,$(wildcard benchmarks/*.py))

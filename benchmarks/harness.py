@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,12 +22,10 @@ TOKEN = "bench-token-" + "x" * 24
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MODEL = "bench/remote"
 
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The suite's ports (tests/ports.py: below the ephemeral range, checked free, handed in turn);
+# the scripts import free_port from here.
+sys.path.insert(0, str(REPO))
+from tests.ports import free_port  # noqa: E402
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.settings import Settings
+from tests.ports import free_port
 
 TESTS = Path(__file__).resolve().parent
 STUB_COMMAND = f"{shlex.quote(sys.executable)} {shlex.quote(str(TESTS / 'stub_vllm.py'))}"
@@ -133,13 +133,6 @@ def real_tiny_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[http
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if nextitem is None or _group_of(nextitem.nodeid) != "vllm":
         _TINY_SERVICE.close()  # nothing to do unless the shared tiny service runs
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
@@ -283,6 +276,15 @@ def wait_answering(url: str, timeout: float, every: float, what: str,
                 pass
             assert time.monotonic() < deadline, f"{what} did not answer {url} in {timeout:.0f} s{detail()}"
             time.sleep(every)
+
+
+def wait_until(done: Callable[[], bool], what: str, timeout: float = 60, every: float = 0.05) -> None:
+    """Poll ``done()`` until it holds, in place of a sleep that hopes it does by then; fail
+    the test at ``timeout``, saying ``what`` it waited for."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        time.sleep(every)
 
 
 def wait_for(

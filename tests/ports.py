@@ -1,5 +1,5 @@
-"""Ports for the processes tests start that take seconds to bind theirs: services
-(``python -m service``) and real vLLM servers.
+"""The suite's one source of TCP ports: ``free_port`` for every service, stub or real vLLM
+server a test (or a benchmark) starts, and for URLs where nothing may answer.
 
 A port chosen by binding port 0 is free at that moment only. A vLLM server binds its own
 some 10 s later (its imports), a service 1-2 s later, and in between another test, on
@@ -10,12 +10,13 @@ before its own HTTP server ran, and refusing every request once the other test e
 So these ports come from below the system's ephemeral range (where binding port 0, and
 outgoing connections, never go), each xdist worker from a range of its own: the first
 ``SERVER_SHARE`` ports for the servers a service starts (``DECODEBENCH_SERVER_PORTS``),
-the rest handed out one at a time by ``worker_port``.
+the rest handed out one at a time by ``free_port``.
 """
 
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 from service.control import procs
@@ -23,8 +24,10 @@ from service.control import procs
 PORTS_BASE = 20000
 PORTS_PER_WORKER = 1000
 SERVER_SHARE = 300
-# The ports handed out already: a process started a moment ago may not have bound its own.
-_HANDED: set[int] = set()
+# Where the next port is looked for, as an index into this worker's share: a random start,
+# so two runs of the suite at once (each "gw0" when not on xdist workers) do not walk the
+# range in step, each handing out the port the other just handed to a process still starting.
+_next = random.SystemRandom().randrange(PORTS_PER_WORKER - SERVER_SHARE)
 
 
 def _worker_ports() -> range:
@@ -42,11 +45,21 @@ def service_server_ports() -> str:
     return f"{low}-{low + SERVER_SHARE - 1}"
 
 
-def worker_port() -> int:
-    """A port of this worker's own, free now and not handed out before (until all were)."""
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing holds now, for a process about to bind it. Races kept off:
+
+    - it is this xdist worker's own, below the ephemeral range: no other worker hands it out,
+      and no process binding port 0 or connecting out is given it by the system;
+    - it is checked by a bind without ``SO_REUSEADDR`` (``procs.try_bind``): a port another
+      process has bound but not yet listens on, or one still in TIME_WAIT, is passed over;
+    - the ports are handed out in turn around the worker's share, so one comes again only
+      after all the others: the process given it a moment ago has had time to bind it.
+    """
+    global _next
     ports = _worker_ports()[SERVER_SHARE:]
-    if set(ports) <= _HANDED:
-        _HANDED.clear()
-    port = procs.free_port(_HANDED, ports)
-    _HANDED.add(port)
-    return port
+    for step in range(len(ports)):
+        index = (_next + step) % len(ports)
+        if procs.try_bind("127.0.0.1", ports[index]) is not None:
+            _next = index + 1
+            return ports[index]
+    raise AssertionError(f"no port of {ports.start}-{ports.stop - 1} is free: what holds them all?")

@@ -16,7 +16,7 @@ import httpx
 
 from service.control.procs import remove_rpc_dir
 from tests.conftest import API_TOKEN, AUTH, STUB_COMMAND, wait_answering
-from tests.ports import worker_port
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ class ServiceProcess:
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
-        self.port = worker_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
             **os.environ,

@@ -5,7 +5,6 @@ submit."""
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from service.settings import Settings
 from service.storage import measurements
 from service.storage.tables import Baseline, Run, SampleRow, ServerMetricPoint
 from tests.conftest import API_TOKEN, make_client, wait_finished, wait_for
+from tests.ports import free_port
 
 SMALL = {"input_len": 32, "output_len": 4, "num_prompts": 2, "max_concurrency": 2}
 
@@ -180,16 +180,10 @@ def test_delete_of_an_unfinished_run_is_409_saying_cancel_it_first(
     assert _rows(client, SampleRow, run_id) == 3
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_a_queued_run_can_be_deleted_once_cancelled(client: TestClient) -> None:
     # A run for a registered server that does not answer stays queued.
     model = "acme/remote-8b"
-    assert client.post("/api/workers", json={"url": f"http://127.0.0.1:{_free_port()}",
+    assert client.post("/api/workers", json={"url": f"http://127.0.0.1:{free_port()}",
                                              "model": model}).status_code == 201
     run_id = client.post("/api/runs", json={**SMALL, "model": model}).json()["id"]
     refused = client.delete(f"/api/runs/{run_id}")

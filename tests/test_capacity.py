@@ -21,7 +21,7 @@ from service.core.status import RunStatus
 from service.storage import capacity as capacity_store
 from service.storage import store
 from service.storage.db import make_engine
-from tests.conftest import AUTH, ServedTestClient, make_settings, wait_for
+from tests.conftest import AUTH, ServedTestClient, make_settings, wait_for, wait_until
 
 ENDED = {"succeeded", "failed", "cancelled"}
 # Inter-token time 10 ms + 10 ms per running stream: 60 ms at 5 streams, 70 ms at 6. A
@@ -283,7 +283,10 @@ def test_cancel_stops_the_search_and_delete_then_removes_it(stub_service: Any) -
     assert client.get(f"/api/runs/{first}/requests").json()  # what it measured is kept
     again = client.post(f"/api/capacity/{search['id']}/cancel")
     assert again.status_code == 409 and "nothing to cancel" in again.json()["detail"]
-    time.sleep(0.5)  # the look after the cancelled runs queues nothing
+    # Each cancelled run's runner takes its search's look before the scheduler lets it go.
+    scheduler = client.app.state.scheduler  # type: ignore[attr-defined]
+    wait_until(lambda: not any(scheduler.handling(r) for r in run_ids),
+               "the runners of the cancelled runs to end, with their looks")
     assert client.get(f"/api/capacity/{search['id']}").json()["runs"] == 4
 
     assert client.delete(f"/api/capacity/{search['id']}").status_code == 204

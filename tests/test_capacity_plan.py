@@ -27,6 +27,8 @@ from service.analysis.capacity import (
 from service.analysis.intervals import Interval
 from service.analysis.prefill_rate import RATE_TRIAL_CAP, RateProbe, RateStep, measured, next_rate
 
+pytestmark = pytest.mark.unit
+
 LIMIT = 50.0
 CEILING = Bound(64, "max_concurrency", "max_concurrency 64 (asked)")
 

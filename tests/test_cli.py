@@ -24,7 +24,8 @@ from service.cli import vllm_flags
 from service.cli.commands import bench_serve
 from service.core import provenance
 from service.core.tinymodel import ensure_tiny_model
-from tests.conftest import API_TOKEN, TESTS, free_port, make_client, wait_finished
+from tests.conftest import API_TOKEN, TESTS, make_client, wait_finished
+from tests.ports import free_port
 
 REPO = TESTS.parent
 

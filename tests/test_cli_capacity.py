@@ -5,12 +5,14 @@ each is decided, the table with the ratio, refusals, and Ctrl-C."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Any
+from typing import IO, Any
 
 from service.cli import vllm_flags
 from tests.conftest import API_TOKEN
@@ -21,6 +23,9 @@ from tests.test_cli import REPO, cli
 SLOPED = {"STUB_TOKEN_INTERVAL_S": "0.010", "STUB_ITL_SLOPE_S": "0.010"}
 CAPACITY = ["capacity", "--input-len", "8", "--output-len", "8", "--sla-metric", "decode_median_itl_ms",
             "--sla-max-ms", "35", "--max-concurrency", "4"]
+# What the command says about one of its search's runs as it polls: ``r-1a2b (input_len=8
+# concurrency=1): queued``.
+RUN_LINE = re.compile(r"r-\w+ \(input_len=\d+ concurrency=\d+\): ")
 
 
 def test_the_sla_metrics_the_command_offers_are_the_services() -> None:
@@ -114,28 +119,49 @@ def test_capacity_refuses_bad_flags_and_the_service_names_the_field(client: Any)
     assert client.get("/api/capacity").json()["total"] == 0
 
 
+def _read_lines(stream: IO[str] | None, into: queue.Queue[str]) -> None:
+    """Each line of ``stream`` put in ``into`` as it comes, until the stream ends."""
+    for line in stream or ():
+        into.put(line)
+
+
 def test_ctrl_c_cancels_the_capacity_search_on_the_service(stub_service: Any) -> None:
     # Slow streams (100 ms a token): the first probe takes seconds, time to interrupt it.
     service = stub_service({"STUB_TOKEN_INTERVAL_S": "0.1"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "--url", service.control_url, "--token", API_TOKEN, *CAPACITY],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True)
+    reader.start()
+    said: list[str] = []
     try:
+        # A line about one of the search's runs comes from the command's polling loop: from
+        # there on, Ctrl-C cancels the search on the service.
         deadline = time.monotonic() + 60
-        found: list[Any] = []
-        while time.monotonic() < deadline and not found:
-            found = [s for s in service.get("/api/capacity").json()["searches"] if s["status"] == "running"]
-            time.sleep(0.2)
-        assert found, "the search never started running"
-        time.sleep(1)  # the command is polling by now
+        while not any(RUN_LINE.match(line) for line in said):
+            try:
+                said.append(lines.get(timeout=0.2))
+                continue
+            except queue.Empty:
+                pass
+            assert proc.poll() is None, f"the command ended before it showed a run: {''.join(said)}"
+            assert time.monotonic() < deadline, f"the command showed no run in 60 s: {''.join(said)}"
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    if proc.stderr is not None:
+        proc.stderr.close()
+    while not lines.empty():
+        said.append(lines.get())
+    stderr = "".join(said)
     assert proc.returncode == 130, stderr
-    search_id = found[0]["id"]
+    search_id = stderr.split("capacity search ")[1].split()[0]
     assert f"cancelled capacity search {search_id} on the service" in stderr
     ended = service.get(f"/api/capacity/{search_id}").json()
     assert ended["status"] == "cancelled"

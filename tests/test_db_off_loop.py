@@ -12,7 +12,8 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import event
 
-from tests.conftest import free_port, wait_finished
+from tests.conftest import wait_finished
+from tests.ports import free_port
 
 SMALL = {"input_len": 16, "output_len": 8, "num_prompts": 6, "max_concurrency": 2}
 

@@ -18,6 +18,8 @@ from service.app import create_app
 from service.cli.commands import cli
 from service.settings import Settings
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 REFERENCE = ROOT / "docs" / "reference.md"

@@ -27,7 +27,7 @@ from service.core.spec import RunSpec
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
 from service.load.generator import make_plan
 from tests.conftest import API_TOKEN, wait_finished, wait_for
-from tests.ports import worker_port
+from tests.ports import free_port
 from tests.vllm_process import start_vllm
 from tests.vllm_process import stop as _stop
 from tests.vllm_process import wait_healthy as _wait_healthy
@@ -351,7 +351,7 @@ def test_a_registered_vllm_server_fills_with_the_values_the_service_gives_it(
     service answers its pull slowly (through a proxy that holds each pull 1 s): the
     request waits in vLLM's queue for its run's values, it is never filled with others."""
     engine = {"max_model_len": 8192}
-    port = worker_port()
+    port = free_port()
     response = service.post("/api/workers", json={
         "url": f"http://127.0.0.1:{port}", "model": TINY_MODEL_NAME, "engine": engine})
     assert response.status_code == 201, response.text

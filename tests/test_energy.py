@@ -24,6 +24,8 @@ from service.control.energy import (
 )
 from service.control.handles import WorkerHandle
 
+pytestmark = pytest.mark.unit
+
 
 class NVMLError(Exception):
     """Stands in for ``pynvml.NVMLError``."""

@@ -24,15 +24,10 @@ from fastapi.testclient import TestClient
 from service.control.queue import PLACE_AHEAD
 from service.storage.db import make_engine
 from tests.conftest import TESTS, make_client, wait_answering, wait_finished, wait_for
+from tests.ports import free_port
 
 MODEL = "acme/remote-8b"
 SMALL = {"model": MODEL, "input_len": 64, "output_len": 8, "num_prompts": 6, "max_concurrency": 2}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # The connector config each registered URL was given, for stubs started (or restarted) after
@@ -73,7 +68,7 @@ def remotes() -> Iterator[Callable[..., RemoteStub]]:
 
     def start(port: int | None = None, served: str = MODEL, args: Sequence[str] = (),
               **env: str) -> RemoteStub:
-        stub = RemoteStub(port or _free_port(), served, args, **env)
+        stub = RemoteStub(port or free_port(), served, args, **env)
         started.append(stub)
         return stub
 
@@ -200,7 +195,7 @@ def test_runs_spread_over_registered_servers_of_one_kind(
 def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
     client: TestClient, remotes: Callable[..., RemoteStub]
 ) -> None:
-    port = _free_port()
+    port = free_port()
     silent = Silent(port)
     registered = _register(client, f"http://127.0.0.1:{port}")
     down = _worker(client, registered["id"], "unavailable", error="no answer")
@@ -226,7 +221,7 @@ def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
 def test_a_run_waiting_for_a_registered_server_does_not_hold_up_other_runs(
     client: TestClient,
 ) -> None:
-    registered = _register(client, f"http://127.0.0.1:{_free_port()}")
+    registered = _register(client, f"http://127.0.0.1:{free_port()}")
     _worker(client, registered["id"], "unavailable")
     waiting = client.post("/api/runs", json=SMALL).json()["id"]
     local = client.post("/api/runs", json={**SMALL, "model": "decodebench-tiny"}).json()["id"]
@@ -237,7 +232,7 @@ def test_a_run_waiting_for_a_registered_server_does_not_hold_up_other_runs(
 def test_any_number_of_runs_waiting_for_a_registered_server_do_not_hold_up_a_run_behind(
     client: TestClient,
 ) -> None:
-    registered = _register(client, f"http://127.0.0.1:{_free_port()}")
+    registered = _register(client, f"http://127.0.0.1:{free_port()}")
     _worker(client, registered["id"], "unavailable")
     # More than one pass of the scheduler reads at first, and more than twice that.
     waiting = [client.post("/api/runs", json=SMALL).json()["id"] for _ in range(3 * PLACE_AHEAD + 1)]
@@ -249,7 +244,7 @@ def test_any_number_of_runs_waiting_for_a_registered_server_do_not_hold_up_a_run
 def test_server_that_dies_mid_run_fails_that_run_only_and_comes_back(
     client: TestClient, remotes: Callable[..., RemoteStub]
 ) -> None:
-    port = _free_port()
+    port = free_port()
     crashing = remotes(port, STUB_CRASH_AFTER="3", STUB_TOKEN_INTERVAL_S="0.02")
     registered = _register(client, crashing.url)
     _worker(client, registered["id"], "ready")
@@ -270,7 +265,7 @@ def test_a_server_gone_since_its_last_probe_leaves_the_run_queued_not_failed(
     tmp_path: Path, remotes: Callable[..., RemoteStub]
 ) -> None:
     with make_client(tmp_path, worker_probe_s=2) as client:
-        port = _free_port()
+        port = free_port()
         remote = remotes(port)
         registered = _register(client, remote.url)
         _worker(client, registered["id"], "ready")
@@ -297,7 +292,7 @@ def test_server_serving_another_model_is_unavailable_with_the_reason(
 def test_registration_answers_the_exact_vllm_serve_line_with_the_worker_token(
     client: TestClient,
 ) -> None:
-    port = _free_port()  # nothing listens there: only the answer matters
+    port = free_port()  # nothing listens there: only the answer matters
     registered = _register(
         client, f"http://127.0.0.1:{port}", control_url="http://bench.internal:8000",
         engine={"tensor_parallel_size": 2, "max_model_len": 65536,
@@ -400,7 +395,7 @@ def test_bad_registrations_are_422_with_the_reason(
 
 
 def test_the_same_url_twice_is_409(client: TestClient) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     _register(client, url)
     response = client.post("/api/workers", json={"url": url + "/", "model": MODEL})
     assert response.status_code == 409 and "registered already" in response.json()["detail"]
@@ -418,7 +413,7 @@ def test_registered_servers_survive_a_restart_of_the_service(
 ) -> None:
     remote = remotes()
     # The service comes back at the same address: the server's connector keeps reaching it.
-    control_url = f"http://127.0.0.1:{_free_port()}"
+    control_url = f"http://127.0.0.1:{free_port()}"
     with make_client(tmp_path, worker_probe_s=0.2, control_url=control_url) as client:
         registered = _register(client, remote.url)
         _worker(client, registered["id"], "ready")

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.conftest import wait_finished
+
 # Written by vLLM's own ``vllm bench serve --save-result --save-detailed`` (tests/test_metrics.py).
 REFERENCE = Path(__file__).parent / "data" / "vllm-bench-serve-result.json"
 # What vLLM drops from its file without --save-detailed (``main`` in vllm/benchmarks/serve.py).
 DETAILED_ONLY = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
+# A run of the stub server's, queued after an import.
+LATER = {"input_len": 8, "output_len": 2, "num_prompts": 1}
 
 
 def _reference() -> dict[str, Any]:
@@ -102,11 +105,13 @@ def test_imported_run_can_be_the_baseline_and_is_never_scheduled(client: TestCli
     assert marked.status_code == 200, marked.text
     assert marked.json()["arm"] == run["id"]
     assert client.get(f"/api/runs/{run['id']}/baseline").json()["is_baseline"] is True
-    # The queue polls every 0.1 s here: in a second it would have placed a queued run.
-    time.sleep(1.0)
+    # A run submitted after it is placed and runs: the queue, read oldest first, has been
+    # read past the import since, and the imported run was not taken.
+    later = wait_finished(client, client.post("/api/runs", json=LATER).json()["id"], timeout=60)
+    assert later["status"] == "succeeded", later["error"]
     again = client.get(f"/api/runs/{run['id']}").json()
     assert again["status"] == "imported" and again["worker_id"] is None
-    assert client.get("/api/workers").json() == []
+    assert [w["id"] for w in client.get("/api/workers").json()] == [later["worker_id"]]
     assert client.post(f"/api/runs/{run['id']}/cancel").status_code == 409
     assert client.delete(f"/api/runs/{run['id']}").status_code == 204
 

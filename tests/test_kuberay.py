@@ -14,6 +14,8 @@ import yaml
 
 from service.settings import Settings
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "deploy" / "kuberay"
 PREFIX = Settings.model_config["env_prefix"]

@@ -6,8 +6,12 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
+
 from service.control.procs import LogFollower, drain_to_capped_file
 from service.storage.logs import log_tail
+
+pytestmark = pytest.mark.unit
 
 
 def test_worker_output_is_drained_to_a_capped_file(tmp_path: Path) -> None:

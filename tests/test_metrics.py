@@ -15,6 +15,8 @@ from service.analysis.steady_window import prefill_stall
 from service.analysis.vllm_result import export_vllm
 from service.core.sample import Sample
 
+pytestmark = pytest.mark.unit
+
 HERE = Path(__file__).resolve()
 # A real result file of `vllm bench serve` (vLLM 0.32.0), kept with the tests.
 REFERENCE = HERE.parent / "data" / "vllm-bench-serve-result.json"

@@ -28,7 +28,7 @@ from service.storage import store, sweeps
 from service.storage.db import make_engine
 from service.storage.tables import Run
 from service.web.sweep_view import sweep_public
-from tests.conftest import AUTH, ServedTestClient, make_client, make_settings, wait_finished
+from tests.conftest import AUTH, ServedTestClient, make_client, make_settings, wait_finished, wait_until
 
 BASE = {"input_len": 16, "output_len": 6, "num_prompts": 4, "max_concurrency": 2}
 KEYS = ("decode_median_itl_ms", "decode_median_tpot_ms")
@@ -360,7 +360,10 @@ def test_until_decided_through_the_service_stops_when_decided_or_spent(client: T
             break
         assert time.monotonic() < deadline, found["progress"]
         time.sleep(0.2)
-    time.sleep(1.0)  # the scheduler's look after the last run has been taken
+    # The scheduler takes the sweep's look after a run before it lets the run's runner go.
+    scheduler = client.app.state.scheduler  # type: ignore[attr-defined]
+    wait_until(lambda: not any(scheduler.handling(r["id"]) for r in found["runs"]),
+               "the runners of the sweep's runs to end, with their looks")
     again = client.get(f"/api/sweeps/{sweep['id']}").json()
     (verdict,) = again["fill_vs_prefill"]
     assert len(again["runs"]) == 2 * verdict["pairs"] and verdict["pairs"] in (2, 4)

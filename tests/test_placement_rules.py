@@ -9,6 +9,8 @@ import pytest
 from service.control.placement import Decision, QueuedRow, WorkerRow, place
 from service.core.modelconfig import RequestLen
 
+pytestmark = pytest.mark.unit
+
 A, B, C = "kind-a", "kind-b", "kind-c"
 
 

@@ -21,7 +21,8 @@ from ray.cluster_utils import Cluster
 
 from service.control.procs import remove_rpc_dir, rpc_dir
 from service.core.tinymodel import MAX_MODEL_LEN
-from tests.conftest import free_port, make_client, wait_finished, wait_for
+from tests.conftest import make_client, wait_finished, wait_for
+from tests.ports import free_port
 from tests.service_process import ServiceProcess, pid_alive
 from tests.test_reliability import FAILED_STARTS
 

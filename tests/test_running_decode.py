@@ -11,6 +11,8 @@ from service.analysis.metrics import decode_stats
 from service.analysis.running_decode import BIN_WIDTH, RunningDecode
 from service.core.sample import Sample
 
+pytestmark = pytest.mark.unit
+
 
 def _run(n: int, concurrency: int, seed: int, failed_every: int = 0) -> list[Sample]:
     """A closed-loop run: ``concurrency`` slots, each request waiting a random time for its

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +26,7 @@ from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.storage import measurements
 from service.storage.tables import Run
+from tests.ports import free_port
 
 # Cut from what vLLM 0.32's PrometheusStatLogger writes with two engines (data parallel):
 # HELP/TYPE lines, counters as <name>_total next to <name>_created, families we do not keep.
@@ -319,9 +319,7 @@ def test_scraper_gives_none_on_an_error_status(metrics_server: tuple[str, type[_
 def test_scraper_of_a_server_that_is_down_gives_none_and_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # nothing listens there
 
     async def scrape_three_times() -> list[Point | None]:
         async with httpx.AsyncClient() as client:

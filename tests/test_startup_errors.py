@@ -20,6 +20,8 @@ from service.control.startup_errors import (
     root_cause,
 )
 
+pytestmark = pytest.mark.unit
+
 LOGS = Path(__file__).resolve().parent / "data" / "vllm_start_failures"
 ENGINE = "(EngineCore pid=4242) ERROR 11-20 09:12:03 [core.py:1510] "
 WORKER = "(Worker pid=4300) ERROR 11-20 09:12:03 [multiproc_executor.py:1063] "

@@ -19,6 +19,8 @@ from service.analysis.metrics import summarize
 from service.analysis.summary_intervals import summary_intervals
 from service.core.sample import Sample
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("q", [0.5, 0.99])
 def test_request_interval_is_scipys_bootstrap(q: float) -> None:

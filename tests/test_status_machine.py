@@ -15,6 +15,8 @@ from service.storage.tables import Worker
 from service.storage.workers import add_worker, get_worker
 from service.web.api.runs import cancel_one
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def engine(tmp_path: Path):  # type: ignore[no-untyped-def]
@@ -124,6 +126,9 @@ class _PlacedMeanwhile:
             store.transition(self.engine, self.run_id, RunStatus.cancelled, error="by its runner")
             answer.set_result(True)
         return answer
+
+    def handling(self, run_id: str) -> bool:
+        return self.asked >= 1  # placed at the first cancel: its runner has it from then on
 
 
 def test_a_run_placed_while_the_api_cancels_it_is_cancelled_by_its_runner(engine) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,8 @@ import pytest
 from service.analysis.step_model import MIN_STEPS, fit, predict
 from service.core.steps import StepRow
 
+pytestmark = pytest.mark.unit
+
 
 @dataclass(frozen=True)
 class Truth:

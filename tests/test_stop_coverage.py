@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from service.analysis.stopping import ITL_CI, MAX_PROMPTS, itl_interval, itl_rule_met, looks, record
 from service.core.sample import Sample
 from service.core.spec import RunSpec
+
+pytestmark = pytest.mark.unit
 
 TRUE_ITL_S = 0.01
 BUDGET = 48

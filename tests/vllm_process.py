@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import API_TOKEN, AUTH, wait_answering
-from tests.ports import service_server_ports, worker_port
+from tests.ports import free_port, service_server_ports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 @contextlib.contextmanager
 def real_service(data_dir: Path, **env_extra: str) -> Iterator[httpx.Client]:
     """The service as a real process that starts real vLLM servers; stopped with SIGTERM."""
-    port = worker_port()
+    port = free_port()
     env = {**os.environ, "DECODEBENCH_DATA_DIR": str(data_dir), "DECODEBENCH_PORT": str(port),
            "DECODEBENCH_GPUS": "", "DECODEBENCH_API_TOKEN": API_TOKEN,
            "DECODEBENCH_SERVER_PORTS": service_server_ports(), **env_extra}
@@ -75,7 +75,7 @@ def start_vllm(model_dir: Path, log_path: Path, *extra: str, served_name: str, d
                kv_bytes: int = 1 << 30, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """A plain vLLM server on ``model_dir`` with dummy weights, in a process group of its
     own in the suite's session, on ``port`` or a free one."""
-    port = port or worker_port()
+    port = port or free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--load-format", "dummy", "--enforce-eager",
