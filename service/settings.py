@@ -63,7 +63,7 @@ class Settings(BaseSettings):
     # The most output tokens a run may ask for (its requests x output_len), refused at
     # submit above it: while a run is measured and summarised the service holds every
     # request's token gaps in memory, about 90 bytes a token at the summary's peak
-    # (``service.web.api.runs.RUN_BYTES_PER_TOKEN``): 20 M tokens, about 1.8 GB.
+    # (``service.web.admission.RUN_BYTES_PER_TOKEN``): 20 M tokens, about 1.8 GB.
     max_run_output_tokens: int = Field(default=20_000_000, gt=0)
     # The worker's /metrics is read at a run's start and end, and with a value above 0 also
     # this often during it. 0 by default: vLLM renders /metrics on the event loop that

@@ -68,6 +68,23 @@ def test_import_boundaries(package: str, banned: tuple[str, ...]) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_route_modules_import_no_route_module_and_web_modules_none_above_them() -> None:
+    # What two routes share lives beside them in service/web (admission, cancelling,
+    # downloads, vllm_export); a module there imports no route or page module. A package's
+    # __init__ gathers its routers; the pages share their renderer.
+    wrong = []
+    for folder in ("api", "pages"):
+        for path in sorted((ROOT / "service" / "web" / folder).glob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            wrong += [f"{path.relative_to(ROOT)}:{line} imports {module}" for line, module in imports(path)
+                      if module.startswith(f"service.web.{folder}.") and module != "service.web.pages.render"]
+    for path in sorted((ROOT / "service" / "web").glob("*.py")):
+        wrong += [f"{path.relative_to(ROOT)}:{line} imports {module}" for line, module in imports(path)
+                  if module.startswith(("service.web.api", "service.web.pages"))]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from service.web.errors import shown\n")

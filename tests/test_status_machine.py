@@ -13,7 +13,7 @@ from service.storage import store
 from service.storage.db import make_engine
 from service.storage.tables import Worker
 from service.storage.workers import add_worker, get_worker
-from service.web.api.runs import cancel_one
+from service.web.cancelling import cancel_one
 
 pytestmark = pytest.mark.unit
 

@@ -39,7 +39,7 @@ from sqlalchemy import Engine
 from service.analysis.comparison import arms_of, spec_value
 from service.core.status import FINISHED, MEASURED
 from service.storage.tables import Run
-from service.web.api.exports import is_request_list, result_pieces, run_result
+from service.web.vllm_export import is_request_list, result_pieces, run_result
 
 # The names ``vllm bench serve`` gives what a decodebench grid varies; other keys keep
 # theirs, dots made underscores.

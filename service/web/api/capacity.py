@@ -12,20 +12,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from service.analysis.capacity import plan_for
 from service.analysis.prefill_rate import rate_plan
 from service.core.capacity import (
-    MIN_PROBE_PROMPTS,
-    PROBE_WAVES,
     CapacityCreate,
-    probe_prompts,
     probe_spec,
-    rate_prompts,
 )
-from service.core.errors import Conflict, Invalid
+from service.core.errors import Conflict
 from service.core.status import FINISHED, MEASURED
 from service.storage import capacity, logs
 from service.web import capacity_view, dynamo_export, vllm_sweep
-from service.web.api.exports import DynamoMode, csv_attachment, dynamo_response
-from service.web.api.runs import cancel_one, check_backend, check_fits, check_model, over_limit
+from service.web.admission import check_backend, check_fits, check_model, check_search_size
+from service.web.cancelling import cancel_one
 from service.web.deps import ADMIN, DB, READ, Sched
+from service.web.downloads import DynamoMode, csv_attachment, dynamo_response
 from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import CapacityList, CapacityPublic, CapacitySummary
 
@@ -42,7 +39,7 @@ def submit_capacity(body: CapacityCreate, request: Request, engine: DB, schedule
     for spec in specs:
         check_backend(request, spec)
     check_fits(request, engine, specs)
-    check_sizes(request, body)
+    check_search_size(request, body)
     plan = plan_for(body.ceiling()).as_dict()
     if body.prefill is not None:
         asked = body.prefill
@@ -52,36 +49,6 @@ def submit_capacity(body: CapacityCreate, request: Request, engine: DB, schedule
     log.info("capacity search %s: input_lens %s, %s <= %g ms", search.id, body.input_lens,
              body.sla.metric, body.sla.max_ms)
     return capacity_view.capacity_public(engine, search.id)
-
-
-def check_sizes(request: Request, body: CapacityCreate) -> None:
-    """A 422 for a search whose largest run would ask more output tokens than
-    ``max_run_output_tokens`` (``runs.check_size``'s rule for one run): the probe at its
-    ceiling, and with a measured prefill side the run at its ``max_rate``. Refused rather than
-    capped: the ceiling is part of the question (a search that reaches it answers "at least"
-    it), so the caller picks the lower one, which the refusal names."""
-    limit = request.app.state.settings.max_run_output_tokens
-    ceiling, output_len = body.ceiling(), body.base.output_len
-    requests = probe_prompts(ceiling)
-    if requests * output_len > limit:
-        asked = (f"max_concurrency {ceiling}" if body.max_concurrency is not None
-                 else f"the default ceiling {ceiling} (no max_concurrency given)")
-        fits = limit // output_len // PROBE_WAVES  # probe_prompts(c) <= limit // output_len
-        fix = (f"Give max_concurrency at most {fits:,}, a shorter output_len"
-               if fits * PROBE_WAVES >= MIN_PROBE_PROMPTS
-               else f"Even the first probe sends {MIN_PROBE_PROMPTS} requests: lower output_len to at most "
-                    f"{limit // MIN_PROBE_PROMPTS:,}")
-        raise Invalid(f"the probe at {asked} sends {requests:,} requests: {requests:,} x {output_len:,} = "
-                      f"{requests * output_len:,} output tokens; {over_limit(limit, requests * output_len)}. "
-                      f"{fix}, or raise the limit where the memory is there")
-    if body.prefill is not None:
-        asked_rate = body.prefill.max_rate
-        requests = rate_prompts(asked_rate, body.prefill.model_dump())
-        if requests > limit:  # one output token each
-            raise Invalid(f"the prefill run at max_rate {asked_rate:g}/s sends {requests:,} requests of one "
-                          f"output token (for duration_s {body.prefill.duration_s:g}); "
-                          f"{over_limit(limit, requests)}. Lower max_rate or duration_s, or raise the limit "
-                          "where the memory is there")
 
 
 @router.get("/api/capacity", response_model=CapacityList, dependencies=READ)

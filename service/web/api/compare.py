@@ -10,7 +10,7 @@ from service.analysis import comparison
 from service.core.errors import Conflict, Invalid, NotFound, shown
 from service.core.status import FINISHED
 from service.storage import baselines, store
-from service.web.api.runs import cancel_one
+from service.web.cancelling import cancel_one
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES
 from service.web.schemas import GroupPublic, RunPublic

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -16,15 +14,14 @@ from sqlalchemy import Engine
 
 from service.analysis import server_metrics
 from service.analysis.metrics import decode_stats
-from service.control import hub
-from service.control.queue import Scheduler
-from service.core.errors import Conflict, Invalid
+from service.core.errors import Conflict
 from service.core.ids import utcnow
-from service.core.modelconfig import MaxLen
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import FINISHED, RunStatus
-from service.storage import logs, measurements, store, workers
+from service.storage import logs, measurements, store
+from service.web.admission import check_backend, check_fits, check_model, check_size
+from service.web.cancelling import cancel_one
 from service.web.deps import ADMIN, DB, READ, Sched
 from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import (
@@ -36,14 +33,10 @@ from service.web.schemas import (
     ServerPointPublic,
 )
 from service.web.starting import starting_view
+from service.web.vllm_export import server_points
 
 log = logging.getLogger(__name__)
 
-# What a run's output token costs the service's memory at the summary's peak: its gap, as a
-# sample holds it and as the summary's arrays copy it (measured: 90 B at 2 M tokens).
-RUN_BYTES_PER_TOKEN = 90
-# How long a cancel waits for the run's runner to end it (it stops its drivers and saves).
-CANCEL_WAIT_S = 30.0
 router = APIRouter(responses=ERROR_RESPONSES)
 
 # Samples per page of ``GET /api/runs/{id}/requests``: each holds its gaps and its text.
@@ -90,94 +83,6 @@ def list_runs(
     return RunList(runs=[RunPublic.of(r) for r in runs], total=total, limit=limit, offset=offset)
 
 
-def check_backend(request: Request, spec: RunSpec) -> None:
-    """A 422 for what the service's backend cannot do: what only the Ray backend can, asked
-    of a service without one; a shape vLLM's CPU build cannot serve (``Shape.cpu``), asked of
-    a service that starts its servers on CPUs, unless a registered server serves it."""
-    if spec.driver_nodes > 1 and not request.app.state.settings.ray_address:
-        raise Invalid(f"driver_nodes {spec.driver_nodes} spreads the load drivers over several nodes: "
-                      "that needs a Ray cluster (DECODEBENCH_RAY_ADDRESS); this service runs them "
-                      "on its own machine, where driver_nodes must be 1")
-    problem = spec.shape_cpu_problem()
-    if (problem is not None and request.app.state.scheduler.fleet.on_cpu()
-            and spec.model not in _registered_lengths(request)):
-        raise Invalid(f"{problem}. This service starts its servers on CPUs (no GPUs: DECODEBENCH_GPUS); "
-                      "the shape stays for a service with GPUs or a registered server")
-
-
-def check_size(request: Request, spec: RunSpec) -> None:
-    """A 422 for a run asking more output tokens than ``max_run_output_tokens``: the service
-    holds every request's gaps in memory while it measures and summarises a run."""
-    limit = request.app.state.settings.max_run_output_tokens
-    requests = spec.prompt_budget()
-    tokens = requests * spec.output_len
-    if tokens <= limit:
-        return
-    named = "stop.max_prompts" if requests != spec.num_prompts else "num_prompts"
-    raise Invalid(f"{named} x output_len is {requests:,} x {spec.output_len:,} = {tokens:,} output tokens; "
-                  f"{over_limit(limit, tokens)}. Split it into runs of fewer requests, or raise the limit "
-                  "where the memory is there")
-
-
-def over_limit(limit: int, tokens: int) -> str:
-    """Why a run of ``tokens`` output tokens, over ``limit``, is refused: the words of every
-    refusal by ``max_run_output_tokens`` (a run's, a sweep point's, a capacity search's)."""
-    return (f"a run may ask for at most {limit:,} (DECODEBENCH_MAX_RUN_OUTPUT_TOKENS): the service holds "
-            f"every request's token gaps in memory while it measures and summarises a run, about "
-            f"{RUN_BYTES_PER_TOKEN} bytes a token ({tokens * RUN_BYTES_PER_TOKEN / 1e9:.1f} GB for this one)")
-
-
-def check_model(request: Request, engine: Engine, model: str) -> None:
-    """A 422 now for a model no worker could load (``service.control.hub``), rather than a failed
-    run once a worker was started for it; a model a registered server serves is its own."""
-    if any(w.external and w.model == model for w in workers.active_workers(engine)):
-        return
-    problem = hub.model_problem(model, request.app.state.settings.hub_check)
-    if problem is not None:
-        raise Invalid(problem)
-
-
-def check_fits(request: Request, engine: Engine, specs: Sequence[RunSpec]) -> None:
-    """A 422 now for a run longer than its model takes: a registered server's, as its
-    /v1/models said; a hub model's, read from its cached config (``RunSpec`` checks local
-    directories and the tiny model itself)."""
-    served = _registered_lengths(request)
-    for spec in specs:
-        if spec.model in served and (problem := _registered_problem(spec, served[spec.model])):
-            raise Invalid(f"model {spec.model!r}: {problem}")
-    if request.app.state.settings.hub_check == "off":
-        return
-    registered = {w.model for w in workers.active_workers(engine) if w.external}
-    limits: dict[str, MaxLen | None] = {}
-    for spec in specs:
-        if spec.model in registered:  # a registered server's length is its own
-            continue
-        if spec.model not in limits:
-            limits[spec.model] = hub.cached_max_len(spec.model)
-        if (problem := spec.length_problem(limits[spec.model])) is not None:
-            raise Invalid(f"model {spec.model!r}: {problem}")
-
-
-def _registered_lengths(request: Request) -> dict[str, list[tuple[str, int | None]]]:
-    """Per model that registered servers serve: each server's URL and longest sequence."""
-    out: dict[str, list[tuple[str, int | None]]] = {}
-    for handle in list(request.app.state.scheduler.fleet.workers.values()):
-        if handle.external:
-            out.setdefault(handle.served_model, []).append((handle.url, handle.max_model_len))
-    return out
-
-
-def _registered_problem(spec: RunSpec, servers: Sequence[tuple[str, int | None]]) -> str | None:
-    """Why the run would not fit the registered servers of its model: any of them may take
-    it, so it must fit the shortest that said its length."""
-    known = [(length, url) for url, length in servers if length is not None]
-    if not known:
-        return None
-    length, url = min(known)
-    return spec.length_problem(MaxLen(length, f"max_model_len of the registered server {url}"),
-                               judge_engine=False)
-
-
 @router.get("/api/runs/{run_id}", response_model=RunPublic, dependencies=READ)
 def get_run(run_id: str, engine: DB) -> RunPublic:
     """One run: spec, status, progress, summary, error."""
@@ -219,36 +124,6 @@ def cancel_run(run_id: str, engine: DB, scheduler: Sched) -> RunPublic:
         raise Conflict(f"run {run_id} could not be cancelled: it is {run.status} and its runner is "
                        "still writing its end; try again in a few seconds")
     return RunPublic.of(store.get_run(engine, run.id))
-
-
-def cancel_one(engine: Engine, scheduler: Scheduler, run_id: str, reason: str) -> bool:
-    """Cancel one unfinished run: its runner's, once one has it (waited for, up to
-    ``CANCEL_WAIT_S``); else the guarded move from ``queued``; else, for a run whose runner
-    has ended without recording its end (its writes failed), the guarded move from
-    ``starting`` or ``running``. A runner still writing its end is waited for. False when
-    the run had finished."""
-    deadline = time.monotonic() + CANCEL_WAIT_S
-    while True:
-        try:
-            if scheduler.cancel(run_id).result(timeout=CANCEL_WAIT_S):
-                return True
-        except TimeoutError:
-            return True  # its runner is still winding down; it ends ``cancelled``
-        if store.cancel_queued(engine, run_id, reason):
-            return True
-        if store.get_run(engine, run_id).status in FINISHED:
-            return False
-        if not scheduler.handling(run_id):
-            # Started and no runner has it: one ended without recording how (placed between
-            # the looks above, a runner would have it now and ``handling`` say so).
-            if store.cancel_orphaned(engine, run_id, f"{reason} (its runner had ended without "
-                                     "recording its end)"):
-                return True
-            # Moved on meanwhile: looked at again.
-        elif time.monotonic() <= deadline:
-            time.sleep(0.05)  # its runner is handing it back (writing its end): waited for
-        if time.monotonic() > deadline:
-            return False
 
 
 # The decode figures of finished runs without a summary (cancelled, failed), by (run,
@@ -347,8 +222,3 @@ def get_server_metrics(run_id: str, engine: DB) -> ServerMetricsPublic:
         points=[ServerPointPublic(t=p.t - origin, values=p.values) for p in points],
         summary=ServerMetricsSummary(**server_metrics.summarize(points)),
     )
-
-
-def server_points(engine: Engine, run_id: str) -> list[server_metrics.Point]:
-    """A run's stored scrapes as ``server_metrics`` reads them."""
-    return [server_metrics.Point(**row) for row in measurements.server_points(engine, run_id)]

@@ -16,9 +16,10 @@ from service.core.status import FINISHED, MEASURED
 from service.core.sweep import SweepCreate, TrialsCreate
 from service.storage import logs, sweeps
 from service.web import dynamo_export, sweep_view, vllm_sweep
-from service.web.api.exports import DynamoMode, csv_attachment, dynamo_response
-from service.web.api.runs import cancel_one, check_backend, check_fits, check_model, check_size
+from service.web.admission import check_backend, check_fits, check_model, check_size
+from service.web.cancelling import cancel_one
 from service.web.deps import ADMIN, DB, READ, Sched
+from service.web.downloads import DynamoMode, csv_attachment, dynamo_response
 from service.web.errors import ERROR_RESPONSES, ErrorBody
 from service.web.schemas import SweepList, SweepPublic, SweepSummary
 
