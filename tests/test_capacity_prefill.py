@@ -129,7 +129,12 @@ def test_a_measured_prefill_rate_is_what_the_stubs_queue_sustains_and_sizes_deco
 @pytest.mark.parametrize(
     ("prefill", "extra", "where", "named"),
     [
-        ({"ttft_p99_max_ms": 0}, {}, ["body", "prefill", "ttft_p99_max_ms"], "greater than 0"),
+        ({"ttft_p99_max_ms": 0}, {}, ["body", "prefill", "ttft_p99_max_ms"], "greater than or equal to 1"),
+        # Found by the fuzzer: rates this small made the doublings to max_rate infinite (a 500).
+        ({"ttft_p99_max_ms": 1e-323}, {}, ["body", "prefill", "ttft_p99_max_ms"],
+         "greater than or equal to 1"),
+        ({"ttft_p99_max_ms": 100, "start_rate": 1e-323, "max_rate": 82004.0}, {},
+         ["body", "prefill", "start_rate"], "greater than or equal to 0.001"),
         ({"ttft_p99_max_ms": 100, "start_rate": 8, "max_rate": 4}, {}, ["body", "prefill"],
          "max_rate (4) is below start_rate (8)"),
         ({"ttft_p99_max_ms": 100, "min_prompts": 2}, {}, ["body", "prefill", "min_prompts"], "8"),

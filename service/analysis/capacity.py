@@ -79,6 +79,7 @@ from service.analysis.roofline import step_growth
 from service.analysis.steady_window import steady_gaps
 from service.core.capacity import FIRST_PROBE_TRIALS
 from service.core.ids import utcnow
+from service.core.mode import Mode
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.core.status import FINISHED, RunStatus
@@ -605,7 +606,7 @@ def probe_runs(runs: Iterable[Run]) -> dict[int, dict[int, ProbeRuns]]:
     (its prefill runs, ``service.analysis.prefill_rate``, left out)."""
     out: dict[int, dict[int, ProbeRuns]] = {}
     for run in runs:
-        if run.spec.get("mode") == "prefill":
+        if Mode.of(run.spec).prefills_measured:
             continue
         length, c = int(run.spec["input_len"]), int(run.spec["max_concurrency"])
         out.setdefault(length, {}).setdefault(c, ProbeRuns(length, c)).runs.append(run)

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from service.core.mode import Mode
 from service.core.sample import Sample
 
 Warning_ = dict[str, Any]
@@ -133,7 +134,7 @@ def connector_verdict(totals: Mapping[str, Any] | None, mode: str,
         return (f"{other} of {seen} requests were not treated as mode {mode!r} says (neither "
                 f"filled with this run's values nor prefilled as asked): {reason}"), []
     filled = int(totals.get("filled_requests", 0))
-    if mode in ("prefill", "seeded") and (filled or int(totals.get("requests_filled", 0))):
+    if Mode(mode).engine_writes_kv and (filled or int(totals.get("requests_filled", 0))):
         return f"{filled} requests of a {mode} run were filled by the connector", []
     warnings: list[Warning_] = []
     if seen < sent:
@@ -142,7 +143,7 @@ def connector_verdict(totals: Mapping[str, Any] | None, mode: str,
             f"the connector accounted for {seen} of the {sent} requests this run sent; the "
             "rest may not have been treated as the run's mode says", sent - seen))
     on_workers = int(totals.get("requests_filled", 0))
-    if mode == "fill" and on_workers < filled:
+    if Mode(mode).fills and on_workers < filled:
         warnings.append(_warn(
             "fill_mismatch",
             f"the scheduler side decided {filled} fills but a worker rank reported only "

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from service.analysis.checks import TEXT_CONFIGS, Warning_, num_experts
+from service.core.mode import Mode
 
 # Config keys of an attention that selects tokens by an indexer (DeepSeek V3.2's DSA).
 INDEX_KEYS = ("index_topk", "index_n_heads", "index_head_dim")
@@ -49,7 +50,7 @@ def fill_neutrality(config: Mapping[str, Any] | None,
 
 def fill_not_neutral(mode: str, neutrality: Mapping[str, Any]) -> list[Warning_]:
     """``fill_not_neutral`` for a fill run of a model where a dummy fill changes the work."""
-    if mode != "fill" or neutrality.get("neutral") is not False:
+    if not Mode(mode).fills or neutrality.get("neutral") is not False:
         return []
     reasons = list(neutrality.get("reasons") or [])
     return [{"code": "fill_not_neutral",

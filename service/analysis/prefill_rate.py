@@ -48,6 +48,7 @@ import numpy as np
 from scipy import stats
 
 from service.analysis.intervals import CONFIDENCE
+from service.core.mode import Mode
 from service.core.sample import Sample
 from service.core.status import FINISHED, RunStatus
 from service.storage.tables import Run
@@ -80,7 +81,7 @@ DIGITS = 4
 
 def is_prefill_run(run: Run) -> bool:
     """Whether a run of a capacity search is a rate probe (not a decode probe)."""
-    return run.spec.get("mode") == "prefill"
+    return Mode.of(run.spec).prefills_measured
 
 
 def rounded(rate: float) -> float:

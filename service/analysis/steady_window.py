@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from service.core.mode import Mode
 from service.core.sample import Sample
 
 
@@ -97,7 +98,7 @@ def prefill_stall(samples: Sequence[Sample], mode: str = "prefill") -> dict[str,
         stalled += float(itl[~keep].sum())
         gaps += int((~keep).sum())
     share = stalled / total if total > 0 else 0.0
-    if mode == "fill":
+    if Mode(mode).fills:
         why = ("while another request's KV cache was being filled (the connector's fill step, "
                "in place of its prefill): decode waits for that step as it would for a prefill")
     else:

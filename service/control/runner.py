@@ -286,7 +286,7 @@ class Runner:
         # sent, and the server stays, idle, for runs it fits.
         reason = too_long(spec, handle) or infeasible(batch or 1, spec.longest_request_tokens(),
                                                       handle.kv_tokens)
-        if reason is None and spec.mode == "seeded":
+        if reason is None and spec.mode.seeds:
             reason = await self._seed_set_problem(handle)
         load_format = effective_load_format(spec.model, spec.engine.load_format)
         facts = provenance.service_facts()
@@ -302,7 +302,7 @@ class Runner:
         log.info("run %s started on vLLM server %s: %s, ISL %d, OSL %d, %d prompts, concurrency %s, mode %s",
                  self.run_id, handle.id, spec.model, spec.input_len, spec.output_len, spec.num_prompts,
                  spec.max_concurrency, spec.mode)
-        if spec.mode == "seeded":
+        if spec.mode.seeds:
             self.seeding = await self._seed(handle)
         duration, sent, rule = await self._measure(handle)
         # Every answered request saved now: the waits below (the connector's account, the
@@ -468,7 +468,7 @@ class Runner:
         return [
             *run_warnings(self.samples, summary),
             *server_warnings(self.points, self.samples, batch, recomputed=recomputed,
-                             replayed=spec.mode == "seeded"),
+                             replayed=spec.mode.seeds),
             *client_warnings(self.samples, self.beats, spec.request_rate is not None),
             *dummy_moe(effective_load_format(spec.model, spec.engine.load_format),
                        local_model_config(self.settings, spec.model, spec.engine.num_layers)),

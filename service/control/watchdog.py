@@ -65,7 +65,7 @@ def blind_limit(settings: Settings, spec: RunSpec, longest_ttft: float = 0.0,
     real prefill (a prefill run, or a seeded run's ``seeding`` pass) its longest prompt at
     ``BLIND_PREFILL_TOKENS_S`` if more."""
     limit = stall_limit(settings, longest_ttft)
-    if longest_ttft <= 0 and (spec.mode == "prefill" or seeding):
+    if longest_ttft <= 0 and (spec.mode.prefills_measured or seeding):
         longest = math.floor(spec.input_len * (1 + spec.range_ratio))
         return max(limit, longest / BLIND_PREFILL_TOKENS_S)
     return limit

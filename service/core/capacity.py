@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from service.core.mode import Mode
 from service.core.spec import MAX_INPUT_LEN, MAX_PROMPTS, Int, RunSpec, Strict, bounded_int
 
 # The summary's steady-window decode figures a limit may be put on (``service.analysis.metrics``).
@@ -51,12 +52,18 @@ class Sla(Strict):
     """The latency limit: a steady-window decode figure of the summary, at most ``max_ms``."""
 
     metric: SlaMetric
-    max_ms: float = Field(gt=0, le=1e7, allow_inf_nan=False)
+    # At least a microsecond: the planner divides by it and takes logarithms of the ratio,
+    # which a subnormal float would turn into a division by zero.
+    max_ms: float = Field(ge=0.001, le=1e7, allow_inf_nan=False)
 
 
 # A prefill rate's run lasts this long and sends at least this many requests.
 DEFAULT_RATE_DURATION_S = 60.0
 DEFAULT_RATE_MIN_PROMPTS = 100
+
+
+# The lowest request rate a prefill search takes (requests/s).
+MIN_RATE = 0.001
 
 
 class PrefillSearch(Strict):
@@ -67,9 +74,12 @@ class PrefillSearch(Strict):
     bisecting (geometric mean) until the failing rate is within ``precision`` of the
     passing one."""
 
-    ttft_p99_max_ms: float = Field(gt=0, le=1e7, allow_inf_nan=False)
-    start_rate: float = Field(default=1.0, gt=0, le=1e5, allow_inf_nan=False)
-    max_rate: float = Field(default=1024.0, gt=0, le=1e5, allow_inf_nan=False)
+    # Floors where a smaller figure means nothing a server can show (a TTFT under a
+    # millisecond, a request every 17 minutes), and where the doublings from start_rate to
+    # max_rate stay countable (a rate of 1e-323 made their number infinite).
+    ttft_p99_max_ms: float = Field(ge=1, le=1e7, allow_inf_nan=False)
+    start_rate: float = Field(default=1.0, ge=MIN_RATE, le=1e5, allow_inf_nan=False)
+    max_rate: float = Field(default=1024.0, ge=MIN_RATE, le=1e5, allow_inf_nan=False)
     # How long each rate's run sends (rate x duration_s requests, at least min_prompts):
     # above the server's rate mu its queue grows by (rate - mu) requests a second, and a
     # run must last long enough for that to show in its TTFT (see ``rate_prompts``).
@@ -108,7 +118,7 @@ class CapacityCreate(Strict):
         if owned:
             raise ValueError(f"base sets {', '.join(owned)}, which the search sets on each probe "
                              f"(it sets {', '.join(PROBE_FIELDS)}): leave them out")
-        if base.mode not in ("fill", "seeded"):
+        if base.mode.prefills_measured:
             raise ValueError('a probe is a fill run or a seeded one: base.mode must be "fill" or "seeded"')
         return base
 
@@ -174,7 +184,7 @@ def probe_spec(base: RunSpec | Mapping[str, Any], input_len: int, concurrency: i
     seed = int(data.get("seed", 0))
     data.update(input_len=input_len, max_concurrency=concurrency,
                 num_prompts=probe_prompts(concurrency), request_rate=None, ramp_up=None,
-                repeats=1, stop=None, mode="seeded" if data.get("mode") == "seeded" else "fill",
+                repeats=1, stop=None, mode=Mode.seeded if Mode.of(data).seeds else Mode.fill,
                 seed=(seed + trial) % 2**32)
     return RunSpec.stored(data) if stored else RunSpec.model_validate(data)
 
@@ -200,7 +210,7 @@ def prefill_spec(base: RunSpec | Mapping[str, Any], input_len: int, rate: float,
     connector's pull of the run's parameters, and with few requests its TTFT would be the p99."""
     data = base.model_dump() if isinstance(base, RunSpec) else dict(base)
     data.update(input_len=input_len, output_len=1, max_concurrency=None, num_prompts=num_prompts,
-                request_rate=rate, ramp_up=None, repeats=1, stop=None, mode="prefill",
+                request_rate=rate, ramp_up=None, repeats=1, stop=None, mode=Mode.prefill,
                 warmup_prompts=max(1, int(data.get("warmup_prompts", 0))),
                 seed=(int(data.get("seed", 0)) + trial) % 2**32)
     return RunSpec.stored(data) if stored else RunSpec.model_validate(data)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from service.core.mode import Mode
+
 FILLED = ("filled: decodebench's KV connector wrote the prompts' KV cache (fill_mean={mean:g}, "
           "fill_std={std:g}) instead of computing a prefill; TTFT and throughputs include no "
           "real prefill and are not comparable with a vllm bench serve run that prefilled")
@@ -38,14 +40,14 @@ def snapshot(
     reported = stored.get("reported")
     started = stored.get("launch") or {}
     fill = spec.get("fill") or {}
-    mode = spec.get("mode", "fill")
+    mode = Mode.of(spec)
     engine = (reported or {}).get("engine") or {}
     kv = (reported or {}).get("kv_cache") or {}
     return {
         "decodebench": dict(facts),
         "mode": mode,
         "fill": ({"mean": fill.get("mean"), "std": fill.get("std"), "startup": bool(fill.get("startup"))}
-                 if mode == "fill" else None),
+                 if mode.fills else None),
         "prefill": prefill_note(spec),
         # Speculative decoding as the run asked vLLM for it (synthetic acceptance included).
         "speculative": (spec.get("engine") or {}).get("speculative"),
@@ -104,9 +106,10 @@ EXPORT_ENGINE_KEYS = ("dtype", "max_model_len", "tensor_parallel_size", "gpu_mem
 
 def prefill_note(spec: Mapping[str, Any]) -> str:
     """How the run's prompts got their KV cache, in words a reader of the numbers needs."""
-    if spec.get("mode", "fill") == "seeded":
+    mode = Mode.of(spec)
+    if mode.seeds:
         return SEEDED
-    if spec.get("mode", "fill") != "fill":
+    if not mode.fills:
         return PREFILLED
     fill = spec.get("fill") or {}
     return FILLED.format(mean=fill.get("mean", 0.0), std=fill.get("std", 0.0))

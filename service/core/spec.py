@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from service.core import shapes
+from service.core.mode import Mode
 from service.core.modelconfig import MaxLen, RequestLen, long_max_len_allowed, max_len_of, model_dir_max_len
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME
 
@@ -313,7 +314,8 @@ class RunSpec(Strict):
     # "fill": the connector fills each prompt's KV cache; "prefill": vLLM prefills every
     # prompt; "seeded": the prompts are prefilled once (unmeasured) and the measured
     # requests find them in vLLM's prefix cache, decoding on real KV (``seed_set_salt``).
-    mode: Literal["fill", "prefill", "seeded"] = "fill"
+    # Not strict: a stored spec says its mode as a string.
+    mode: Annotated[Mode, Field(strict=False)] = Mode.fill
     fill: FillSpec = Field(default_factory=FillSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     goodput: GoodputSpec = Field(default_factory=GoodputSpec)
@@ -388,7 +390,7 @@ class RunSpec(Strict):
 
     @model_validator(mode="after")
     def _seedable(self) -> RunSpec:
-        if self.mode != "seeded":
+        if not self.mode.seeds:
             return self
         if "--no-enable-prefix-caching" in self.engine.extra_args:
             raise ValueError(
@@ -507,7 +509,7 @@ class RunSpec(Strict):
         input lengths and seed decide the prompts), so later runs of the same point on the
         same server find the prompts an earlier one seeded, and no fill run's dummy blocks;
         None for other modes (each run is salted with its own id)."""
-        if self.mode != "seeded":
+        if not self.mode.seeds:
             return None
         key = json.dumps({"server": self.worker_key(), "input_len": self.input_len,
                           "range_ratio": self.range_ratio, "seed": self.seed}, sort_keys=True)

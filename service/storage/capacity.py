@@ -24,6 +24,7 @@ from service.core.capacity import (
 )
 from service.core.errors import Conflict, NotFound, shown
 from service.core.ids import new_id, utcnow
+from service.core.mode import Mode
 from service.core.spec import RunSpec, point_key
 from service.core.status import FINISHED, RunStatus
 from service.storage.cascade import delete_runs
@@ -121,8 +122,8 @@ def advance(engine: Engine, search_id: str, looks: Mapping[str, Any], ended: Map
             earlier.sort(key=lambda r: r.trial or 0)
             added.append(_probe_run(search, search.base, input_len, concurrency, earlier))
         for input_len, rate in rates:
-            earlier = [r for r in runs if r.spec.get("mode") == "prefill" and r.spec["input_len"] == input_len
-                       and r.spec.get("request_rate") == rate]
+            earlier = [r for r in runs if Mode.of(r.spec).prefills_measured
+                       and r.spec["input_len"] == input_len and r.spec.get("request_rate") == rate]
             added.append(_prefill_run(search, search.base, input_len, rate, earlier))
         queue_in_order(added)
         search.looks = dict(looks)

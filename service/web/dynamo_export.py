@@ -43,6 +43,7 @@ from service.analysis.intervals import Interval
 from service.analysis.server_metrics import KV_USAGE
 from service.analysis.step_model import fit
 from service.core.errors import Conflict
+from service.core.mode import Mode
 from service.core.status import MEASURED
 from service.storage import measurements, workers
 from service.storage.steps import run_steps
@@ -98,7 +99,7 @@ def _left_out(run: Run, mode: str | None, held_out: Mapping[str, str]) -> str | 
     spec = run.spec
     if run.id in held_out:
         return held_out[run.id]
-    if mode is not None and spec.get("mode", "fill") != mode:
+    if mode is not None and Mode.of(spec) != mode:
         return f"mode {spec.get('mode', 'fill')}, not the {mode} asked"
     if spec.get("max_concurrency") is None:
         return "no max_concurrency: the number of requests decoding together was not held"
@@ -170,7 +171,7 @@ def surface(engine: Engine, what: str, runs: Sequence[Run], *, mode: str | None 
             continue
         keys = _differing(other.spec, spec)
         if "mode" in keys and mode is None:
-            modes = sorted({str(r.spec.get("mode", "fill")) for r in kept})
+            modes = sorted({str(Mode.of(r.spec)) for r in kept})
             raise Conflict(f"{what} measured each point in modes {', '.join(modes)}: Dynamo's surface "
                            "holds one value per point; export one mode (mode=...)")
         raise Conflict(f"{what} has several points at input_len {axes[0]}, output_len {axes[1]}, "
