@@ -12,7 +12,7 @@ import httpx
 from fastapi.testclient import TestClient
 
 from service.control.vllm_cli import engine_flags
-from service.core.spec import EngineSpec
+from service.core.spec import EngineSpec, RunSpec, point_key
 from service.core.tinymodel import TINY_MODEL_NAME
 from tests.conftest import wait_finished
 
@@ -47,6 +47,11 @@ def test_a_kv_cache_size_is_passed_as_bytes_and_replaces_the_cpu_share() -> None
     shared = engine_flags(TINY_MODEL_NAME, EngineSpec(), on_cpu=True)
     assert "--kv-cache-memory-bytes" not in shared
     assert shared[shared.index("--gpu-memory-utilization") + 1] == "0.3"
+    # A server of its own (another KV cache), while runs that leave it unset keep the key
+    # servers and runs had before the field existed.
+    sized, plain = RunSpec(engine=EngineSpec(kv_cache_gib=1.5)), RunSpec()
+    assert sized.worker_key() != plain.worker_key() and "kv_cache_gib" not in plain.worker_key()
+    assert point_key(sized.model_dump()) != point_key(plain.model_dump())
 
 
 def test_a_run_longer_than_its_new_server_fits_fails_and_leaves_the_server_idle(

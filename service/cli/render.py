@@ -9,8 +9,6 @@ from typing import Any
 
 from rich.table import Table
 
-from service.core.mode import Mode
-
 # Each metric section of vLLM's block: (key, name in its lines, heading), in vLLM's order.
 SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("ttft", "TTFT", "Time to First Token"),
@@ -78,9 +76,9 @@ def decodebench_lines(run: Mapping[str, Any], url: str) -> list[str]:
     steady decode figures with their 95% intervals, the roofline and the warnings."""
     spec = run["spec"]
     summary = run.get("summary") or {}
-    how = ("KV cache filled by the connector (no prefill)" if Mode.of(spec).fills
+    how = ("KV cache filled by the connector (no prefill)" if spec.get("mode") == "fill"
            else "KV cache from a real prefill, done once and replayed from the prefix cache"
-           if Mode.of(spec).seeds else "KV cache from a real prefill")
+           if spec.get("mode") == "seeded" else "KV cache from a real prefill")
     lines = ["{s:{c}^{n}}".format(s=" decodebench ", n=50, c="-"),
              _line("Run:", run["id"], False),
              _line("Status:", run["status"], False),

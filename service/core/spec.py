@@ -554,6 +554,8 @@ def point_key(spec: dict[str, Any]) -> str:
             engine.pop("num_layers", None)
         if engine.get("speculative") is None:
             engine.pop("speculative", None)
+        if engine.get("kv_cache_gib") is None:
+            engine.pop("kv_cache_gib", None)
     if isinstance(fill, dict) and not fill.get("startup"):
         fill = {k: v for k, v in fill.items() if k != "startup"}
     point = {k: spec.get(k) for k in POINT_FIELDS} | {"engine": engine, "fill": fill}
@@ -564,8 +566,10 @@ def point_key(spec: dict[str, Any]) -> str:
 def worker_key(model: str, engine: EngineSpec, fill: FillSpec | None = None) -> str:
     """Runs and servers with equal keys belong together: one model, one engine configuration
     (and, for a server that fills its KV cache at start, one set of fill values)."""
-    config = engine.model_dump(exclude={"load_format", "num_layers", "speculative"})
+    config = engine.model_dump(exclude={"load_format", "num_layers", "speculative", "kv_cache_gib"})
     # Fields added later are in the key only when set, so keys stored before them still match.
+    if engine.kv_cache_gib is not None:
+        config["kv_cache_gib"] = engine.kv_cache_gib
     if engine.num_layers is not None:
         config["num_layers"] = engine.num_layers
     if engine.speculative is not None:
