@@ -127,11 +127,11 @@ def connector_verdict(totals: Mapping[str, Any] | None, mode: str,
         return (f"the vLLM server's connector never reported on this run ({sent} requests "
                 "answered): it could not reach the service (its control_url or token), or the "
                 "server runs without decodebench's connector, so nothing shows the requests "
-                f"were treated as mode {mode!r} says"), []
+                f"were treated as mode '{mode}' says"), []
     other = int(totals.get("other_requests", 0))
     if other:
         reason = totals.get("error") or "no reason given"
-        return (f"{other} of {seen} requests were not treated as mode {mode!r} says (neither "
+        return (f"{other} of {seen} requests were not treated as mode '{mode}' says (neither "
                 f"filled with this run's values nor prefilled as asked): {reason}"), []
     filled = int(totals.get("filled_requests", 0))
     if Mode(mode).engine_writes_kv and (filled or int(totals.get("requests_filled", 0))):
