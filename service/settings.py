@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -65,6 +66,10 @@ class Settings(BaseSettings):
     # request's token gaps in memory, about 90 bytes a token at the summary's peak
     # (``service.web.admission.RUN_BYTES_PER_TOKEN``): 20 M tokens, about 1.8 GB.
     max_run_output_tokens: int = Field(default=20_000_000, gt=0)
+    # The memory of the machine servers start on where it has no GPUs, in GiB, against which
+    # a bundled shape's CPU server is checked before it starts (``shapes.cpu_memory_problem``).
+    # None: this host's, or its cgroup's limit if lower; on a Ray cluster, not checked.
+    cpu_memory_gib: float | None = Field(default=None, gt=0)
     # The worker's /metrics is read at a run's start and end, and with a value above 0 also
     # this often during it. 0 by default: vLLM renders /metrics on the event loop that
     # streams the tokens, and on a busy 2-core machine one render took up to 0.7 s; every
@@ -111,6 +116,17 @@ class Settings(BaseSettings):
     # Environment variables (by prefix, comma-separated) passed from the service to the
     # servers it starts on other nodes; the rest of a server's environment is its node's.
     ray_forward_env: str = "VLLM_,HF_,HUGGING_FACE_,TRANSFORMERS_"
+
+    def cpu_memory_bytes(self) -> int:
+        """``cpu_memory_gib``, else this host's memory (its cgroup's limit if lower)."""
+        if self.cpu_memory_gib is not None:
+            return int(self.cpu_memory_gib * 2**30)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        with contextlib.suppress(OSError, ValueError):
+            limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+            if limit != "max":
+                memory = min(memory, int(limit))
+        return memory
 
     @field_validator("data_dir")
     @classmethod

@@ -187,3 +187,15 @@ def test_chunked_local_llama_4_scout_by_hand(tmp_path: Path) -> None:
 def test_every_shape_builds_on_the_meta_device(tmp_path: Path, name: str) -> None:
     params, experts = roofline.counted_params(_config(tmp_path, name))
     assert params > 0 and (experts > 0) == shapes.SHAPES[name].mixture_of_experts()
+
+
+@pytest.mark.parametrize("name", [s.name for s in shapes.SHAPES.values()])
+def test_a_shapes_parameters_as_the_service_counts_them_are_its_models(tmp_path: Path, name: str) -> None:
+    # The service holds a shape to a CPU machine's memory by ``Shape.params`` (it imports no
+    # torch): at its fewest layers and one more (a kind added by ``layer_plan``'s order),
+    # the sum of those is the transformers model's own count, every parameter included.
+    shape = shapes.SHAPES[name]
+    for layers in sorted({shape.fewest_layers(), min(shape.layers, shape.fewest_layers() + 1)}):
+        path = shapes.ensure_shape(tmp_path, shape.model, layers)
+        model = roofline.meta_model(transformers.AutoConfig.from_pretrained(path))
+        assert shapes.plan_params(shape, layers) == sum(p.numel() for p in model.parameters()), layers

@@ -19,7 +19,7 @@ from service.control.vllm_cli import engine_flags, kv_transfer_config, worker_ar
 from service.core import shapes
 from service.core.spec import EngineSpec, RunSpec, point_key, worker_key
 from service.core.tinymodel import TINY_MODEL_NAME
-from tests.conftest import make_settings
+from tests.conftest import make_client, make_settings
 
 GEMMA = "decodebench-shapes/gemma-3-1b"
 GRANITE = "decodebench-shapes/granite-4.0-h-350m"
@@ -83,31 +83,88 @@ def test_a_reduced_shape_writes_its_kinds_as_the_config_reads_them(
     assert {k: config[k] for k in written} == written
 
 
-def test_the_api_says_which_shapes_run_on_a_cpu_and_why_not(client: TestClient) -> None:
-    listed = {s["model"]: s for s in client.get("/api/models").json()["shapes"]}
+GIB = 2**30
+
+
+@pytest.mark.parametrize(("memory_gib", "refused"), [
+    # This project's 2-core machines have 23.5 GiB: Llama-4-Scout's 2 layers peaked at 23.2 GB
+    # of them on a plain vLLM CPU server here, with nothing else running.
+    (23.5, {"deepseek-v3", "gpt-oss-120b", "llama-4-scout-17b-16e"}),
+    (40, {"deepseek-v3"}),
+    (64, set()),
+])
+def test_the_api_says_which_shapes_fit_this_services_cpu_machine_and_why_not(
+        tmp_path: Path, memory_gib: float, refused: set[str]) -> None:
+    with make_client(tmp_path, cpu_memory_gib=memory_gib) as client:
+        shown = client.get("/api/models").json()["shapes"]
+    listed = {s["model"].removeprefix(shapes.PREFIX): s for s in shown}
     assert len(listed) >= 12
-    assert listed["decodebench-shapes/deepseek-v2-lite"]["runs_on_cpu"] is True
-    assert listed["decodebench-shapes/deepseek-v2-lite"]["why_not"] is None
-    refused = listed["decodebench-shapes/deepseek-v3"]
-    assert refused["runs_on_cpu"] is False and "27.9 GB" in refused["why_not"]
-    assert {m for m, s in listed.items() if not s["runs_on_cpu"]} == {
-        s.model for s in shapes.SHAPES.values() if s.cpu is not None}
+    assert {name for name, s in listed.items() if not s["runs_on_cpu"]} == refused
+    for name in refused:
+        why = listed[name]["why_not"]
+        fewest = shapes.SHAPES[name].fewest_layers()
+        params = shapes.plan_params(shapes.SHAPES[name], fewest)
+        assert f"at {fewest} of its" in why and f"{params / 1e9:.2f} B parameters" in why, why
+        assert f"a machine of {memory_gib:.1f} GiB" in why, why
+    assert listed["deepseek-v2-lite"]["why_not"] is None
 
 
-def test_a_shape_that_cannot_run_on_a_cpu_is_refused_at_submit_with_the_reason(client: TestClient) -> None:
-    response = client.post("/api/runs", json={"model": "decodebench-shapes/gpt-oss-120b", "input_len": 64,
-                                              "output_len": 4, "engine": {"num_layers": 2}})
-    assert response.status_code == 422, response.text
-    assert "does not run on a CPU server" in response.text and "15.2 GB" in response.text
-    runs = client.get("/api/runs").json()
-    assert runs["total"] == 0  # nothing queued
+@pytest.mark.parametrize(("name", "published_b"), [
+    ("llama-3.1-8b", 8.03), ("llama-3.1-70b", 70.6), ("qwen3-32b", 32.8), ("qwen3-30b-a3b", 30.5),
+    ("deepseek-v2-lite", 15.7), ("deepseek-v3", 671), ("gpt-oss-20b", 20.9), ("gpt-oss-120b", 116.8),
+    ("qwen3-next-80b-a3b", 80), ("llama-4-scout-17b-16e", 107.8),
+])
+def test_a_shapes_parameters_at_full_depth_are_its_published_size(name: str, published_b: float) -> None:
+    # Sizes as their publishers give them: Llama 4 Scout's 109 B less its vision encoder,
+    # DeepSeek-V3's 685 B less its multi-token prediction module (14 B).
+    params = shapes.plan_params(shapes.SHAPES[name], None)
+    assert abs(params / 1e9 - published_b) / published_b < 0.02, params
 
 
-def test_a_queued_run_of_such_a_shape_fails_at_placement_on_a_cpu() -> None:
-    spec = RunSpec(model="decodebench-shapes/deepseek-v3", engine=EngineSpec(num_layers=2))
-    problem = spec.cpu_problem()
-    assert problem is not None and problem.startswith("decodebench-shapes/deepseek-v3 does not run on a CPU")
-    assert RunSpec(model="decodebench-shapes/deepseek-v2-lite").cpu_problem() is None
+def test_a_service_with_gpus_lists_every_shape_as_its_family_runs_on_a_cpu(tmp_path: Path) -> None:
+    # Servers with GPUs: no CPU machine's memory to hold a shape to.
+    catalogue = shapes.catalogue(None)
+    assert all(s["runs_on_cpu"] and s["why_not"] is None for s in catalogue)
+
+
+def test_a_shape_too_large_for_the_cpu_machine_is_refused_at_submit_with_the_arithmetic(
+        tmp_path: Path) -> None:
+    body = {"model": "decodebench-shapes/gpt-oss-120b", "input_len": 64, "output_len": 4,
+            "engine": {"num_layers": 2}}
+    with make_client(tmp_path, cpu_memory_gib=23.5) as client:
+        response = client.post("/api/runs", json=body)
+        assert response.status_code == 422, response.text
+        detail = response.json()["detail"]
+        assert "does not fit this CPU machine" in detail and "7.58 B parameters" in detail, detail
+        assert "DECODEBENCH_CPU_MEMORY_GIB" in detail
+        assert client.get("/api/runs").json()["total"] == 0  # nothing queued
+
+
+def test_a_queued_run_that_does_not_fit_fails_at_placement_with_its_arithmetic() -> None:
+    v3 = RunSpec(model="decodebench-shapes/deepseek-v3", engine=EngineSpec(num_layers=2))
+    problem = v3.cpu_problem(int(23.5 * GIB))
+    assert problem is not None
+    assert problem.startswith("decodebench-shapes/deepseek-v3 does not fit this CPU machine"), problem
+    assert "13.94 B parameters" in problem
+    assert v3.cpu_problem(None) is None  # servers with GPUs, or nodes of unknown memory
+    assert v3.cpu_problem(int(64 * GIB)) is None
+    lite = RunSpec(model="decodebench-shapes/deepseek-v2-lite", engine=EngineSpec(num_layers=2))
+    assert lite.cpu_problem(int(23.5 * GIB)) is None
+
+
+def test_a_runs_kv_cache_and_depth_count_against_the_machine() -> None:
+    memory = int(23.5 * GIB)
+    small = RunSpec(model="decodebench-shapes/gpt-oss-20b", engine=EngineSpec(num_layers=2))
+    assert small.cpu_problem(memory) is None
+    big_cache = RunSpec(model="decodebench-shapes/gpt-oss-20b",
+                        engine=EngineSpec(num_layers=2, kv_cache_gib=12))
+    problem = big_cache.cpu_problem(memory)
+    assert problem is not None and "its 12.0 GiB KV cache" in problem, problem
+    # The whole 70B on a CPU: refused, with what its fewest layers would take.
+    whole = RunSpec(model="decodebench-shapes/llama-3.1-70b")
+    problem = whole.cpu_problem(memory)
+    assert problem is not None and "at 80 of its 80 layers" in problem
+    assert "at engine.num_layers 1, its fewest, it peaks near" in problem, problem
 
 
 def test_a_rewritten_shape_replaces_a_stale_config(tmp_path: Path) -> None:

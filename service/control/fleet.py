@@ -235,6 +235,16 @@ class Fleet(RegisteredServers):
         use, or the cluster's slots are CPUs (``RayServers.slots`` names them ``cpu<k>``)."""
         return all(slot.startswith("cpu") for slot in self.gpu_ids())
 
+    def cpu_memory_bytes(self) -> int | None:
+        """The memory of the CPU machine this service starts its servers on, which a bundled
+        shape's server is checked against (``Settings.cpu_memory_bytes``); None where its
+        servers have GPUs, or run on a cluster's nodes and no ``cpu_memory_gib`` is set."""
+        if not self.on_cpu():
+            return None
+        if self.servers.slots() is not None and self.settings.cpu_memory_gib is None:
+            return None
+        return self.settings.cpu_memory_bytes()
+
     def reserve(self, decision: Decision) -> Placement:
         """Hold what a placement decided for its run, before any await: the reused server
         is busy with it; evicted servers take no runs (their GPUs stay held); the GPUs of

@@ -241,6 +241,7 @@ class Scheduler:
         in_capacity: set[str] = set()
         last: Run | None = None
         ahead = PLACE_AHEAD
+        memory = self.fleet.cpu_memory_bytes()
         while True:
             page = await asyncio.to_thread(store.queued, self.engine, limit=ahead, after=last)
             for run in page:
@@ -258,7 +259,7 @@ class Scheduler:
                                             run.id in in_capacity)
                     continue
                 queued.append(QueuedRow(run.id, spec.worker_key(), spec.engine.tensor_parallel_size,
-                                        run.pair_id, spec.longest_request(), spec.cpu_problem()))
+                                        run.pair_id, spec.longest_request(), spec.cpu_problem(memory)))
             workers, starting = self.fleet.rows()
             busy_pairs = {r.pair_id for r in self._runners.values() if r.pair_id}
             stopped: list[str] = []

@@ -15,7 +15,7 @@ not the publisher's: the tokenizer is ours.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,11 @@ class Shape:
     # vLLM flags a server of this shape gets on a CPU unless the run's extra_args say
     # otherwise, each with the reason (a defect of the pinned vLLM CPU build it avoids).
     cpu_flags: tuple[tuple[str, str], ...] = ()
-    # Why a server of this shape cannot run on a CPU, as tried with the pinned vLLM CPU build
-    # at the fewest layers that keep every kind; None where it runs there.
+    # Its parameters: "base" (embeddings, LM head, final norm) and one layer of each kind,
+    # counted on its transformers model (tests/test_shape_facts.py holds each to that count).
+    params: dict[str, int] = field(default_factory=dict)
+    # Why vLLM's CPU build cannot serve this shape's family, as tried with the pinned build;
+    # None where it does. Whether a CPU machine's memory holds it is ``cpu_memory_problem``'s.
     cpu: str | None = None
 
     @property
@@ -78,8 +81,12 @@ class Shape:
 
     @property
     def runs_on_cpu(self) -> bool:
-        """Whether vLLM's CPU build serves this shape (``cpu`` says why not)."""
+        """Whether vLLM's CPU build serves this shape's family (``cpu`` says why not)."""
         return self.cpu is None
+
+    def fewest_layers(self) -> int:
+        """The fewest layers that keep every kind it has (``layer_plan``'s floor)."""
+        return len(set(self.layer_kinds()))
 
 
 def _gemma3_layer_types(layers: int, pattern: int) -> list[str]:
@@ -131,6 +138,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
             "rope_theta": 100000.0, "vocab_size": 49152, "tie_word_embeddings": True,
         },
+        params={"base": 28_312_128, "decoder": 3_540_096},
     ),
     Shape(
         name="llama-3.2-1b",
@@ -147,6 +155,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
             "vocab_size": 128256, "tie_word_embeddings": True,
         },
+        params={"base": 262_670_336, "decoder": 60_821_504},
     ),
     Shape(
         name="qwen2.5-0.5b",
@@ -161,6 +170,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 24,
             "vocab_size": 151936, "tie_word_embeddings": True,
         },
+        params={"base": 136_135_552, "decoder": 14_912_384},
     ),
     Shape(
         name="gemma-3-1b",
@@ -181,6 +191,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "attention_bias": False, "vocab_size": 262144, "tie_word_embeddings": True,
         },
         layer_types_key="layer_types",
+        params={"base": 301_991_040, "sliding_attention": 26_842_112, "full_attention": 26_842_112},
     ),
     Shape(
         name="granite-4.0-h-350m",
@@ -211,6 +222,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
         cpu_flags=(("--no-enable-prefix-caching",
                     "vLLM 0.32 on CPU fails a real prefill of a Mamba hybrid longer than one "
                     "attention block while prefix caching keeps Mamba state aligned"),),
+        params={"base": 77_071_104, "mamba": 8_503_184, "attention": 6_292_992},
     ),
     Shape(
         name="qwen3-30b-a3b",
@@ -229,6 +241,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "sliding_window": None, "max_window_layers": 48,
             "vocab_size": 151936, "tie_word_embeddings": False,
         },
+        params={"base": 622_331_904, "decoder": 623_120_640},
     ),
     Shape(
         name="llama-3.1-8b",
@@ -243,6 +256,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
             "vocab_size": 128256, "tie_word_embeddings": False,
         },
+        params={"base": 1_050_677_248, "decoder": 218_112_000},
     ),
     Shape(
         name="llama-3.1-70b",
@@ -257,6 +271,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
             "vocab_size": 128256, "tie_word_embeddings": False,
         },
+        params={"base": 2_101_354_496, "decoder": 855_654_400},
     ),
     Shape(
         name="qwen3-32b",
@@ -272,6 +287,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "use_sliding_window": False, "sliding_window": None, "max_window_layers": 64,
             "vocab_size": 151936, "tie_word_embeddings": False,
         },
+        params={"base": 1_555_829_760, "decoder": 487_598_336},
     ),
     Shape(
         name="deepseek-v2-lite",
@@ -295,6 +311,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "vocab_size": 102400, "tie_word_embeddings": False,
         },
         dense_prefix_key="first_k_dense_replace",
+        params={"base": 419_432_448, "dense": 81_007_104, "moe": 584_847_872},
     ),
     Shape(
         name="deepseek-v3",
@@ -319,12 +336,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "vocab_size": 129280, "tie_word_embeddings": False,
         },
         dense_prefix_key="first_k_dense_replace",
-        # vLLM 0.32's CPU build serves MLA (its CPU_MLA backend; deepseek-v2-lite runs there):
-        # what stops this one is memory, at the 2 layers that keep a dense and an MoE layer.
-        cpu="its fewest layers that keep every kind (1 dense + 1 MoE) hold 13.94 B parameters, "
-            "27.9 GB in bfloat16 (the MoE layer's 256 routed experts alone are 256 x 3 x 7168 x "
-            "2048 = 11.27 B), more than the 24 GiB CPU machines it was tried on; vLLM 0.32's CPU "
-            "build serves the family (decodebench-shapes/deepseek-v2-lite runs there)",
+        params={"base": 1_853_365_248, "dense": 583_483_392, "moe": 11_507_286_016},
     ),
     Shape(
         name="gpt-oss-20b",
@@ -336,6 +348,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
         config={**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32,
                 "layer_types": ["sliding_attention", "full_attention"] * 12},
         layer_types_key="layer_types",
+        params={"base": 1_158_269_760, "sliding_attention": 823_186_976, "full_attention": 823_186_976},
     ),
     Shape(
         name="gpt-oss-120b",
@@ -347,12 +360,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
         config={**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 18},
         layer_types_key="layer_types",
-        # The family runs on vLLM 0.32's CPU build (gpt-oss-20b does); memory stops this one.
-        cpu="its fewest layers that keep every kind (1 sliding + 1 full) hold 7.58 B parameters, "
-            "15.2 GB in bfloat16 (2 layers x 128 experts x 24.9 M = 6.37 B of them), and vLLM's "
-            "CPU server peaked at 1.8x its weights for gpt-oss-20b (10 GB for 5.6 GB): about 27 "
-            "GB, more than the 24 GiB CPU machines it was tried on; vLLM 0.32's CPU build serves "
-            "the family (decodebench-shapes/gpt-oss-20b runs there)",
+        params={"base": 1_158_269_760, "sliding_attention": 3_213_080_192, "full_attention": 3_213_080_192},
     ),
     Shape(
         name="qwen3-next-80b-a3b",
@@ -378,6 +386,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
             "use_sliding_window": False, "vocab_size": 151936, "tie_word_embeddings": False,
         },
         layer_types_key="layer_types",
+        params={"base": 622_331_904, "linear_attention": 1_648_531_648, "full_attention": 1_642_076_672},
     ),
     Shape(
         name="llama-4-scout-17b-16e",
@@ -404,6 +413,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
         },
         layer_types_key="no_rope_layers",
         layer_codes=((1, "chunked_attention"), (0, "full_attention")),
+        params={"base": 2_068_976_640, "chunked_attention": 2_202_101_760, "full_attention": 2_202_101_760},
     ),
 )}
 
@@ -438,6 +448,52 @@ def layer_plan(shape: Shape, layers: int | None) -> list[str]:
     for i, kind in enumerate(missing):
         plan[layers - 1 - i] = kind
     return plan
+
+
+def plan_params(shape: Shape, layers: int | None) -> int:
+    """The parameters of a shape built with ``layers`` layers (all when None)."""
+    return shape.params["base"] + sum(shape.params[kind] for kind in layer_plan(shape, layers))
+
+
+# What vLLM 0.32's CPU server of a shape with dummy bfloat16 weights held at its peak, as a
+# multiple of those weights, and the process beside them. Measured here at 2 layers:
+# gpt-oss-20b 10 GB for 5.6 GB of weights, Llama-4-Scout 23.2 GB for 12.9 GB (1.78 and 1.79;
+# the CPU build keeps a second, repacked copy of much of them while it loads).
+CPU_PEAK_PER_WEIGHT = 1.8
+CPU_PROCESS_BYTES = 2**30
+# What a CPU machine keeps beside a server's peak: its KV cache, the service, the system.
+CPU_RESERVE_SHARE, CPU_RESERVE_BYTES = 0.10, 2 * 2**30
+BF16 = 2
+
+
+def cpu_peak_bytes(shape: Shape, layers: int | None) -> float:
+    """About the most memory a vLLM CPU server of the shape holds while it starts (weights
+    and process; its KV cache is on top)."""
+    return plan_params(shape, layers) * BF16 * CPU_PEAK_PER_WEIGHT + CPU_PROCESS_BYTES
+
+
+def cpu_memory_problem(shape: Shape, layers: int | None, memory_bytes: int,
+                       kv_cache_bytes: int | None = None) -> str | None:
+    """Why a CPU machine of ``memory_bytes`` cannot hold a server of the shape at ``layers``
+    (and its KV cache, where the run sizes it): its peak, with the arithmetic, against the
+    memory less what the machine keeps beside it; None where it fits."""
+    reserve = max(CPU_RESERVE_BYTES, CPU_RESERVE_SHARE * memory_bytes)
+    peak = cpu_peak_bytes(shape, layers)
+    need = peak + (kv_cache_bytes or 0)
+    if need <= memory_bytes - reserve:
+        return None
+    plan = layer_plan(shape, layers)
+    params = plan_params(shape, layers)
+    kv = f" and its {kv_cache_bytes / 2**30:.1f} GiB KV cache" if kv_cache_bytes else ""
+    fewer = ("" if len(plan) <= shape.fewest_layers()
+             else f"; at engine.num_layers {shape.fewest_layers()}, its fewest, it peaks near "
+                  f"{cpu_peak_bytes(shape, shape.fewest_layers()) / 2**30:.1f} GiB")
+    return (f"at {len(plan)} of its {shape.layers} layers it holds {params / 1e9:.2f} B parameters, "
+            f"{params * BF16 / 2**30:.1f} GiB in bfloat16, and vLLM's CPU server peaks near "
+            f"{CPU_PEAK_PER_WEIGHT:g}x its weights plus {CPU_PROCESS_BYTES / 2**30:g} GiB: about "
+            f"{peak / 2**30:.1f} GiB{kv}, more than the {(memory_bytes - reserve) / 2**30:.1f} GiB "
+            f"a machine of {memory_bytes / 2**30:.1f} GiB has for it (it keeps "
+            f"{reserve / 2**30:.1f} GiB for the KV cache, the service and the system){fewer}")
 
 
 def shape_config(shape: Shape, layers: int | None) -> dict[str, Any]:
@@ -489,14 +545,23 @@ def ensure_shape(models_dir: Path, model: str, layers: int | None = None) -> Pat
     return path
 
 
-def catalogue() -> list[dict[str, Any]]:
-    """Every bundled shape as the pages, the CLI and the API list them."""
+def catalogue(cpu_memory_bytes: int | None = None) -> list[dict[str, Any]]:
+    """Every bundled shape as the pages, the CLI and the API list them. With the memory of
+    the CPU machine this service starts its servers on, ``runs_on_cpu`` says whether the
+    shape at its fewest layers runs there, and ``why_not`` why not."""
+    def why_not(s: Shape) -> str | None:
+        if s.cpu is not None or cpu_memory_bytes is None:
+            return s.cpu
+        return cpu_memory_problem(s, s.fewest_layers(), cpu_memory_bytes)
+
     return [{
         "model": s.model, "source": s.source, "family": s.family, "summary": s.summary,
         "layers": s.layers, "vocab_size": s.config["vocab_size"],
         "max_position_embeddings": s.config["max_position_embeddings"],
         "cpu_flags": [{"flag": flag, "why": why} for flag, why in s.cpu_flags],
-        "runs_on_cpu": s.runs_on_cpu, "why_not": s.cpu,
+        "params": plan_params(s, None), "fewest_layers": s.fewest_layers(),
+        "cpu_peak_gib_at_fewest_layers": round(cpu_peak_bytes(s, s.fewest_layers()) / 2**30, 1),
+        "runs_on_cpu": why_not(s) is None, "why_not": why_not(s),
     } for s in SHAPES.values()]
 
 

@@ -480,20 +480,28 @@ class RunSpec(Strict):
             return self.stop.min_prompts
         return min(self.prompt_budget(), max(8, 2 * (self.max_concurrency or 0)))
 
-    def shape_cpu_problem(self) -> str | None:
-        """Why vLLM's CPU build cannot serve this run's bundled shape (``Shape.cpu``); None
-        for a shape it serves and for any other model."""
+    def shape_cpu_problem(self, memory_bytes: int | None = None) -> str | None:
+        """Why a vLLM CPU server cannot serve this run's bundled shape: its family's reason
+        (``Shape.cpu``), or, on a machine of ``memory_bytes``, that the shape at this run's
+        layers does not fit it (``shapes.cpu_memory_problem``); None for a shape it serves
+        and for any other model."""
         if not shapes.is_shape(self.model):
             return None
         shape = shapes.SHAPES.get(self.model.removeprefix(shapes.PREFIX))
-        if shape is None or shape.cpu is None:
+        if shape is None:
             return None
-        return f"{self.model} does not run on a CPU server: {shape.cpu}"
+        if shape.cpu is not None:
+            return f"{self.model} does not run on a CPU server: {shape.cpu}"
+        if memory_bytes is None:
+            return None
+        problem = shapes.cpu_memory_problem(shape, self.engine.num_layers, memory_bytes,
+                                            self.engine.kv_cache_bytes())
+        return None if problem is None else f"{self.model} does not fit this CPU machine: {problem}"
 
-    def cpu_problem(self) -> str | None:
-        """Why a server started on a CPU cannot serve this run: its engine's reason
-        (``EngineSpec.cpu_problem``) or its shape's; None as far as is known."""
-        return self.engine.cpu_problem() or self.shape_cpu_problem()
+    def cpu_problem(self, memory_bytes: int | None = None) -> str | None:
+        """Why a server started on a CPU machine of ``memory_bytes`` cannot serve this run:
+        its engine's reason (``EngineSpec.cpu_problem``) or its shape's; None as far as is known."""
+        return self.engine.cpu_problem() or self.shape_cpu_problem(memory_bytes)
 
     def longest_request(self) -> RequestLen:
         """This run's longest request: its prompt and its output, ``range_ratio`` applied."""

@@ -29,17 +29,20 @@ RUN_BYTES_PER_TOKEN = 90
 
 def check_backend(request: Request, spec: RunSpec) -> None:
     """A 422 for what the service's backend cannot do: what only the Ray backend can, asked
-    of a service without one; a shape vLLM's CPU build cannot serve (``Shape.cpu``), asked of
+    of a service without one; a shape vLLM's CPU build cannot serve (``Shape.cpu``) or the
+    machine's memory cannot hold (``shapes.cpu_memory_problem``), asked of
     a service that starts its servers on CPUs, unless a registered server serves it."""
     if spec.driver_nodes > 1 and not request.app.state.settings.ray_address:
         raise Invalid(f"driver_nodes {spec.driver_nodes} spreads the load drivers over several nodes: "
                       "that needs a Ray cluster (DECODEBENCH_RAY_ADDRESS); this service runs them "
                       "on its own machine, where driver_nodes must be 1")
-    problem = spec.shape_cpu_problem()
-    if (problem is not None and request.app.state.scheduler.fleet.on_cpu()
-            and spec.model not in _registered_lengths(request)):
+    fleet = request.app.state.scheduler.fleet
+    problem = spec.shape_cpu_problem(fleet.cpu_memory_bytes())
+    if problem is not None and fleet.on_cpu() and spec.model not in _registered_lengths(request):
         raise Invalid(f"{problem}. This service starts its servers on CPUs (no GPUs: DECODEBENCH_GPUS); "
-                      "the shape stays for a service with GPUs or a registered server")
+                      "the shape stays for a service with GPUs, a CPU machine with the memory "
+                      "(DECODEBENCH_CPU_MEMORY_GIB says how much the service's servers have), "
+                      "or a registered server")
 
 
 def check_size(request: Request, spec: RunSpec) -> None:
