@@ -130,7 +130,7 @@ def test_a_service_with_gpus_lists_every_shape_as_its_family_runs_on_a_cpu(tmp_p
 def test_a_shape_too_large_for_the_cpu_machine_is_refused_at_submit_with_the_arithmetic(
         tmp_path: Path) -> None:
     body = {"model": "decodebench-shapes/gpt-oss-120b", "input_len": 64, "output_len": 4,
-            "engine": {"num_layers": 2}}
+            "engine": {"num_layers": 2, "dtype": "bfloat16"}}
     with make_client(tmp_path, cpu_memory_gib=23.5) as client:
         response = client.post("/api/runs", json=body)
         assert response.status_code == 422, response.text
@@ -141,7 +141,7 @@ def test_a_shape_too_large_for_the_cpu_machine_is_refused_at_submit_with_the_ari
 
 
 def test_a_queued_run_that_does_not_fit_fails_at_placement_with_its_arithmetic() -> None:
-    v3 = RunSpec(model="decodebench-shapes/deepseek-v3", engine=EngineSpec(num_layers=2))
+    v3 = RunSpec(model="decodebench-shapes/deepseek-v3", engine=EngineSpec(num_layers=2, dtype="bfloat16"))
     problem = v3.cpu_problem(int(23.5 * GIB))
     assert problem is not None
     assert problem.startswith("decodebench-shapes/deepseek-v3 does not fit this CPU machine"), problem
@@ -154,10 +154,16 @@ def test_a_queued_run_that_does_not_fit_fails_at_placement_with_its_arithmetic()
 
 def test_a_runs_kv_cache_and_depth_count_against_the_machine() -> None:
     memory = int(23.5 * GIB)
-    small = RunSpec(model="decodebench-shapes/gpt-oss-20b", engine=EngineSpec(num_layers=2))
+    small = RunSpec(model="decodebench-shapes/gpt-oss-20b", engine=EngineSpec(num_layers=2, dtype="bfloat16"))
     assert small.cpu_problem(memory) is None
+    # In float32, a CPU server's default here, the weights are twice as large.
+    scout = EngineSpec(num_layers=2, dtype="bfloat16")
+    wide = RunSpec(model="decodebench-shapes/llama-4-scout-17b-16e", engine=EngineSpec(num_layers=2))
+    problem = wide.cpu_problem(int(40 * GIB))
+    assert problem is not None and "GiB in float32" in problem and "engine.dtype bfloat16 halves" in problem
+    assert RunSpec(model=wide.model, engine=scout).cpu_problem(int(40 * GIB)) is None
     big_cache = RunSpec(model="decodebench-shapes/gpt-oss-20b",
-                        engine=EngineSpec(num_layers=2, kv_cache_gib=12))
+                        engine=EngineSpec(num_layers=2, dtype="bfloat16", kv_cache_gib=12))
     problem = big_cache.cpu_problem(memory)
     assert problem is not None and "its 12.0 GiB KV cache" in problem, problem
     # The whole 70B on a CPU: refused, with what its fewest layers would take.

@@ -455,45 +455,49 @@ def plan_params(shape: Shape, layers: int | None) -> int:
     return shape.params["base"] + sum(shape.params[kind] for kind in layer_plan(shape, layers))
 
 
-# What vLLM 0.32's CPU server of a shape with dummy bfloat16 weights held at its peak, as a
-# multiple of those weights, and the process beside them. Measured here at 2 layers:
-# gpt-oss-20b 10 GB for 5.6 GB of weights, Llama-4-Scout 23.2 GB for 12.9 GB (1.78 and 1.79;
-# the CPU build keeps a second, repacked copy of much of them while it loads).
+# What vLLM 0.32's CPU server of a shape with dummy weights held at its peak, as a multiple
+# of those weights in the dtype it serves, and the process beside them. Measured here at 2
+# layers in bfloat16: gpt-oss-20b 10 GB for 5.6 GB of weights, Llama-4-Scout 23.2 GB for
+# 12.9 GB (1.78 and 1.79; the CPU build keeps a second, repacked copy of much of them while
+# it loads).
 CPU_PEAK_PER_WEIGHT = 1.8
 CPU_PROCESS_BYTES = 2**30
 # What a CPU machine keeps beside a server's peak: its KV cache, the service, the system.
 CPU_RESERVE_SHARE, CPU_RESERVE_BYTES = 0.10, 2 * 2**30
-BF16 = 2
+# Bytes a parameter, by a run's engine.dtype; on a CPU the service's default is float32
+# (``vllm_cli.engine_flags``), and "auto" is the shapes' own bfloat16.
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "auto": 2}
 
 
-def cpu_peak_bytes(shape: Shape, layers: int | None) -> float:
+def cpu_peak_bytes(shape: Shape, layers: int | None, dtype: str = "bfloat16") -> float:
     """About the most memory a vLLM CPU server of the shape holds while it starts (weights
-    and process; its KV cache is on top)."""
-    return plan_params(shape, layers) * BF16 * CPU_PEAK_PER_WEIGHT + CPU_PROCESS_BYTES
+    in ``dtype`` and process; its KV cache is on top)."""
+    return plan_params(shape, layers) * DTYPE_BYTES[dtype] * CPU_PEAK_PER_WEIGHT + CPU_PROCESS_BYTES
 
 
-def cpu_memory_problem(shape: Shape, layers: int | None, memory_bytes: int,
+def cpu_memory_problem(shape: Shape, layers: int | None, memory_bytes: int, dtype: str = "bfloat16",
                        kv_cache_bytes: int | None = None) -> str | None:
     """Why a CPU machine of ``memory_bytes`` cannot hold a server of the shape at ``layers``
-    (and its KV cache, where the run sizes it): its peak, with the arithmetic, against the
-    memory less what the machine keeps beside it; None where it fits."""
+    in ``dtype`` (and its KV cache, where the run sizes it): its peak, with the arithmetic,
+    against the memory less what the machine keeps beside it; None where it fits."""
     reserve = max(CPU_RESERVE_BYTES, CPU_RESERVE_SHARE * memory_bytes)
-    peak = cpu_peak_bytes(shape, layers)
+    peak = cpu_peak_bytes(shape, layers, dtype)
     need = peak + (kv_cache_bytes or 0)
     if need <= memory_bytes - reserve:
         return None
     plan = layer_plan(shape, layers)
     params = plan_params(shape, layers)
     kv = f" and its {kv_cache_bytes / 2**30:.1f} GiB KV cache" if kv_cache_bytes else ""
-    fewer = ("" if len(plan) <= shape.fewest_layers()
-             else f"; at engine.num_layers {shape.fewest_layers()}, its fewest, it peaks near "
-                  f"{cpu_peak_bytes(shape, shape.fewest_layers()) / 2**30:.1f} GiB")
+    fewest = shape.fewest_layers()
+    fewer = ("" if len(plan) <= fewest else f"; at engine.num_layers {fewest}, its fewest, it peaks near "
+             f"{cpu_peak_bytes(shape, fewest, dtype) / 2**30:.1f} GiB")
+    wider = "" if DTYPE_BYTES[dtype] <= 2 else "; engine.dtype bfloat16 halves the weights"
     return (f"at {len(plan)} of its {shape.layers} layers it holds {params / 1e9:.2f} B parameters, "
-            f"{params * BF16 / 2**30:.1f} GiB in bfloat16, and vLLM's CPU server peaks near "
+            f"{params * DTYPE_BYTES[dtype] / 2**30:.1f} GiB in {dtype}, and vLLM's CPU server peaks near "
             f"{CPU_PEAK_PER_WEIGHT:g}x its weights plus {CPU_PROCESS_BYTES / 2**30:g} GiB: about "
             f"{peak / 2**30:.1f} GiB{kv}, more than the {(memory_bytes - reserve) / 2**30:.1f} GiB "
             f"a machine of {memory_bytes / 2**30:.1f} GiB has for it (it keeps "
-            f"{reserve / 2**30:.1f} GiB for the KV cache, the service and the system){fewer}")
+            f"{reserve / 2**30:.1f} GiB for the KV cache, the service and the system){fewer}{wider}")
 
 
 def shape_config(shape: Shape, layers: int | None) -> dict[str, Any]:

@@ -494,8 +494,9 @@ class RunSpec(Strict):
             return f"{self.model} does not run on a CPU server: {shape.cpu}"
         if memory_bytes is None:
             return None
+        # On a CPU the service serves float32 unless engine.dtype says otherwise.
         problem = shapes.cpu_memory_problem(shape, self.engine.num_layers, memory_bytes,
-                                            self.engine.kv_cache_bytes())
+                                            self.engine.dtype or "float32", self.engine.kv_cache_bytes())
         return None if problem is None else f"{self.model} does not fit this CPU machine: {problem}"
 
     def cpu_problem(self, memory_bytes: int | None = None) -> str | None:
