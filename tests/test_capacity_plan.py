@@ -25,7 +25,7 @@ from service.analysis.capacity import (
     servers_ratio,
 )
 from service.analysis.intervals import Interval
-from service.analysis.prefill_rate import RATE_TRIAL_CAP, RateProbe, RateStep, measured, next_rate
+from service.analysis.prefill_rate import RATE_TRIAL_CAP, RateProbe, RateStep, measured, next_rate, rate_plan
 
 pytestmark = pytest.mark.unit
 
@@ -326,12 +326,28 @@ def test_the_rate_search_doubles_to_a_failure_then_bisects_to_the_precision() ->
     assert found.tokens_per_s_hi == pytest.approx(1000 * step.first_fail)
 
 
-def test_the_rate_search_stops_at_max_rate_and_at_a_first_rate_that_fails() -> None:
+def test_the_rate_search_stops_at_max_rate_and_halves_a_start_rate_that_fails() -> None:
     asked, step = _rate_search(passes_below=1e9, top=10.0)
     assert asked == [1, 2, 4, 8, 10] and step.done and step.bound_reached and step.last_pass == 10
-    asked, step = _rate_search(passes_below=0.5)
-    assert asked == [1] and step.done and step.error is not None and "lower prefill.start_rate" in step.error
+    # A start rate over the server's: halved until a rate passes, then bisected as above.
+    asked, step = _rate_search(passes_below=0.3)
+    assert asked[:3] == [1, 0.5, 0.25] and step.done and step.error is None
+    assert step.last_pass is not None and step.first_fail is not None
+    assert step.last_pass < 0.3 <= step.first_fail <= step.last_pass * 1.25
+    # Halved three times at most: a server under an eighth of the start rate stops the search.
+    asked, step = _rate_search(passes_below=0.1)
+    assert asked == [1, 0.5, 0.25, 0.125] and step.done and step.error is not None
+    assert "every rate down to 0.125 requests/s failed" in step.error and "lower prefill.start_rate" in step.error
     assert measured(step, 1000) is None
+
+
+def test_the_planned_looks_cover_the_longest_path_down_as_well_as_up() -> None:
+    # From 8 to 64: 4 rates doubling, 4 halving (8, 4, 2, 1); bisecting to 10%: 3 more.
+    assert rate_plan(8, 64, 0.1)["looks"] == 3 * (4 + 3)
+    # From 8 to 16: 2 rates doubling, but 4 halving.
+    assert rate_plan(8, 16, 0.1)["looks"] == 3 * (4 + 3)
+    # At the floor of rates there is nothing to halve to.
+    assert rate_plan(0.001, 0.002, 0.1)["looks"] == 3 * (2 + 3)
 
 
 def test_a_rate_probe_still_running_waits_and_one_that_failed_stops_the_search() -> None:

@@ -35,10 +35,13 @@ from tests.test_capacity import BASE, SLA, SLOPED, wait_search
 def test_a_measured_prefill_rate_is_what_the_stubs_queue_sustains_and_sizes_decode_servers(
         stub_service: Any) -> None:
     # The stub prefills one request at a time, 0.78125 ms per prompt token: 50 ms for 64
-    # tokens, at most 20 requests/s. Poisson arrivals and a p99 TTFT limit of 400 ms: a
-    # simulation of that queue sustains 14.2 requests/s. A fixed 32 requests a rate read
+    # tokens, at most 20 requests/s. Poisson arrivals and a p99 TTFT limit of 1 s: a
+    # simulation of that queue sustains 17.6 requests/s. A fixed 32 requests a rate read
     # its backlog as a rate; runs of 15 s each (rate x 15 requests) show the queue grow.
-    service_s, limit_ms = 0.050, 400.0
+    # The limit is 20 service times, not 8 (400 ms, truth 14.2/s): a CI run beside the
+    # suite's vLLM servers saw one run at 8 requests/s reach a p99 of 861 ms (the others
+    # 263 and 346), the stub's event loop held off the cores, and the start rate failed.
+    service_s, limit_ms = 0.050, 1000.0
     nominal = sustainable_rate(service_s, limit_ms / 1000)
     client = stub_service({**SLOPED, "STUB_PREFILL_S_PER_TOKEN": str(service_s / 64)})
     body = {"base": BASE, "input_lens": [64],
@@ -246,12 +249,14 @@ def test_a_run_whose_ttft_climbs_fails_its_rate_though_its_p99_is_under_the_limi
     follow_up(engine, first.id)
     found = capacity_view.capacity_public(engine, search_id).contexts[0].prefill
     assert found is not None
-    probe = found.probes[0]
+    probe = next(p for p in found.probes if p.request_rate == 1.0)
     assert probe.p99_ttft_ms is not None and probe.p99_ttft_ms < 350
     assert (probe.verdict, probe.decided_by) == ("fail", "backlog")
     assert probe.climb_ms is not None and probe.climb_ms[1] > 0
     assert probe.climb_ms[0] == pytest.approx(195, rel=0.01)
-    assert found.state == "stopped" and "already failed" in (found.error or "")
+    # The start rate failed: the search halves it.
+    assert found.state != "stopped" and found.error is None
+    assert sorted(p.request_rate for p in found.probes) == [0.5, 1.0]
     engine.dispose()
 
 

@@ -23,13 +23,14 @@ Each rate is looked at once its runs have ended (``take_look``):
   open at the top: such a rate passes only by its point estimate.
 
 Looks are planned before the search starts (``rate_plan``): ``RATE_TRIAL_CAP`` per rate
-on the longest path of doubling and bisecting, each at 1 - 5%/K (Bonferroni), as the
+on the longest path of doubling (or halving) and bisecting, each at 1 - 5%/K (Bonferroni), as the
 decode side plans its own. Requests of one run share the server's queue, so their TTFTs
 are not independent: near the crossing the interval is narrower than stated, and the
 point estimate after ``RATE_TRIAL_CAP`` runs decides there.
 
 The search per input length (``next_rate``): double from the start rate until a rate
-fails or the maximum passes, then bisect (geometric mean) between the last passing and
+fails or the maximum passes (where the start rate itself fails, halve it, ``DOWN_STEPS``
+times at most, until one passes), then bisect (geometric mean) between the last passing and
 the first failing rate until they are within the asked precision; a rate between them
 that is undecided gets its next run first. The answer is the last passing rate R: P = R
 requests/s, R x input_len prefill tokens/s, given as the bracket [R, first failing rate)
@@ -48,6 +49,7 @@ import numpy as np
 from scipy import stats
 
 from service.analysis.intervals import CONFIDENCE
+from service.core.capacity import MIN_RATE
 from service.core.mode import Mode
 from service.core.sample import Sample
 from service.core.status import FINISHED, RunStatus
@@ -71,6 +73,9 @@ SETTLE = 0.2
 MIN_SETTLED = 20
 # Runs one rate may get; its interval is looked at after each.
 RATE_TRIAL_CAP = 3
+# Where the start rate fails, the search halves it this many times at most before it
+# stops: a start a little too high (or a machine busy while it ran) still finds the rate.
+DOWN_STEPS = 3
 # Prefill runs one input length may spend; its prefill stops undecided beyond them.
 MAX_PREFILL_RUNS = 24
 # Where a search's ``ended`` keeps why an input length's prefill search stopped unanswered.
@@ -101,8 +106,9 @@ def rate_plan(start_rate: float, max_rate: float, precision: float,
     ``max_rate``, then bisecting a doubling's gap down to ``precision``), ``trial_cap``
     looks each, and each look's confidence, 1 - 5%/looks."""
     doubling = max(0, math.ceil(math.log2(max_rate / start_rate) - 1e-9)) + 1
+    halving = 1 + min(DOWN_STEPS, max(0, math.floor(math.log2(start_rate / MIN_RATE) + 1e-9)))
     bisecting = max(0, math.ceil(math.log2(math.log(2) / math.log1p(precision)) - 1e-9))
-    looks = trial_cap * (doubling + bisecting)
+    looks = trial_cap * (max(doubling, halving) + bisecting)
     return {"looks": looks, "per_look_confidence": 1 - (1 - CONFIDENCE) / looks,
             "method": "Bonferroni over the planned looks"}
 
@@ -388,8 +394,13 @@ def next_rate(probes: Sequence[RateProbe], max_ms: float, start_rate: float, max
     if open_:
         return _ask(known, open_[0])  # its next run
     if last_pass is None:
-        return _stop(known, f"the first rate, {min(verdicts):g} requests/s, already failed the TTFT "
-                            "limit: lower prefill.start_rate")
+        lowest = min(verdicts)
+        lower = rounded(lowest / 2)
+        if lower >= max(MIN_RATE, start_rate / 2**DOWN_STEPS * (1 - 1e-9)):
+            return _ask(known, lower)
+        return _stop(known, f"every rate down to {lowest:g} requests/s failed the TTFT limit (the start "
+                            f"rate, {start_rate:g}, halved {DOWN_STEPS} times): lower prefill.start_rate "
+                            "or raise prefill.ttft_p99_max_ms")
     if first_fail is None:
         if last_pass >= max_rate:
             return RateStep(last_pass, None, done=True, bound_reached=True, verdicts=verdicts)
