@@ -337,7 +337,8 @@ def test_the_rate_search_stops_at_max_rate_and_halves_a_start_rate_that_fails() 
     # Halved three times at most: a server under an eighth of the start rate stops the search.
     asked, step = _rate_search(passes_below=0.1)
     assert asked == [1, 0.5, 0.25, 0.125] and step.done and step.error is not None
-    assert "every rate down to 0.125 requests/s failed" in step.error and "lower prefill.start_rate" in step.error
+    assert "every rate down to 0.125 requests/s failed" in step.error
+    assert "lower prefill.start_rate" in step.error
     assert measured(step, 1000) is None
 
 
