@@ -309,3 +309,12 @@ def wait_for(
 def wait_finished(client: Any, run_id: str, timeout: float = 120) -> dict[str, Any]:
     """Poll a run until it reaches an end state."""
     return wait_for(client, run_id, lambda r: r["status"] in FINISHED, timeout)
+
+
+@pytest.fixture
+def no_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulated capacity searches without the look's per-stream decode rate (a bootstrap
+    for the P / D answer, not the verdict, and most of a look's time)."""
+    from service.analysis import capacity_runs
+
+    monkeypatch.setattr(capacity_runs, "per_user_rate", lambda *_: None)

@@ -118,7 +118,7 @@ def search(rng: np.random.Generator, metric: str, sigma: float, max_ms: float, c
     queue (``next_step``), a trial per queued probe, a look at each probe whose trials ended
     (``take_looks``: the drift pooled from the search's other looks). Its last step and the
     runs it spent (stopped before it would spend more than ``max_runs``)."""
-    from service.analysis import capacity
+    from service.analysis import capacity, capacity_runs
 
     plan = capacity.plan_for(ceiling)
     bounds = (capacity.Bound(ceiling, "max_concurrency", ""),)
@@ -134,9 +134,9 @@ def search(rng: np.random.Generator, metric: str, sigma: float, max_ms: float, c
         for c in found.queue:
             trials.setdefault(c, []).append(trial(rng, c, sigma, runs, step=step))
             runs += 1
-        due = [capacity.LookDue(capacity.look_key(1024, c), c, trials[c],
+        due = [capacity_runs.LookDue(capacity_runs.look_key(1024, c), c, trials[c],
                                 [f"r{c}-{k}" for k in range(len(trials[c]))])
                for c in dict.fromkeys(found.queue)]
-        looks = capacity.take_looks(due, looks, metric, plan.per_look, max_ms)
+        looks = capacity_runs.take_looks(due, looks, metric, plan.per_look, max_ms)
         for probe in due:
-            probes[probe.concurrency] = capacity.look_state(probe.concurrency, looks[probe.key])
+            probes[probe.concurrency] = capacity_runs.look_state(probe.concurrency, looks[probe.key])

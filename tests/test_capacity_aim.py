@@ -15,18 +15,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from service.analysis import capacity, roofline
+from service.analysis import roofline
 from service.analysis.capacity import (
     Bound,
     Probe,
     Step,
     line_boundary,
-    look_state,
     max_probes,
     next_step,
     plan_for,
     probes_left,
 )
+from service.analysis.capacity_runs import look_state
 from service.analysis.intervals import Interval
 from service.core.capacity import SLA_METRICS
 from tests.lockstep_engine import search, step_s, true_figure
@@ -244,12 +244,6 @@ def outcomes(aimed: bool, growth: Callable[[float], float] | None = None) -> lis
                                    found.done and found.error is None))
     return out
 
-
-@pytest.fixture
-def no_rate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The look's per-stream decode rate (a bootstrap for the P / D answer, not the verdict)
-    is most of a look's time: left out of the simulated searches."""
-    monkeypatch.setattr(capacity, "per_user_rate", lambda *_: None)
 
 
 def share(found: list[Outcome], what: str, **where: object) -> float:

@@ -21,11 +21,10 @@ from service.analysis.capacity import (
     max_probes,
     next_step,
     plan_for,
-    planner_words,
-    servers_ratio,
 )
 from service.analysis.intervals import Interval
 from service.analysis.prefill_rate import RATE_TRIAL_CAP, RateProbe, RateStep, measured, next_rate, rate_plan
+from service.analysis.sizing import planner_words, servers_ratio
 
 pytestmark = pytest.mark.unit
 

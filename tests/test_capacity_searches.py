@@ -23,12 +23,6 @@ def simulated_search(rng: np.random.Generator, metric: str, sigma: float,
     return step, runs
 
 
-@pytest.fixture
-def no_rate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The look's per-stream decode rate (a bootstrap for the P / D answer, not the verdict)
-    is most of a look's time: left out of the simulated searches."""
-    monkeypatch.setattr(capacity, "per_user_rate", lambda *_: None)
-
 
 @pytest.mark.usefixtures("no_rate")
 def test_simulated_searches_hold_the_true_boundary_in_their_stated_range() -> None:

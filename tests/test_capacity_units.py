@@ -13,18 +13,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.analysis import capacity
 from service.analysis.capacity import (
     BY_POINT,
     PASS,
     Bound,
     Probe,
     judge,
-    look_state,
     next_step,
     plan_for,
-    take_look,
 )
+from service.analysis.capacity_runs import assess, look_key, look_state, take_look
 from service.analysis.intervals import Interval
 from service.analysis.probe_units import (
     STATISTICS,
@@ -38,6 +36,7 @@ from service.core.capacity import SLA_METRICS, probe_spec
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.storage.tables import Run
+from service.web.capacity_view import probe_views
 from tests.lockstep_engine import (
     BOUNDARY,
     CEILING,
@@ -127,12 +126,6 @@ def test_a_probes_stated_95_percent_covers_the_truth(sigma: float) -> None:
     assert min(coverage.values()) >= 0.93 and min(attainment.values()) >= 0.93, (coverage, attainment)
 
 
-@pytest.fixture
-def no_rate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The look's per-stream decode rate (a bootstrap for the P / D answer, not the verdict)
-    is most of a look's time: left out of the simulated searches."""
-    monkeypatch.setattr(capacity, "per_user_rate", lambda *_: None)
-
 
 @pytest.mark.parametrize(("k", "n"), [(0, 1), (1, 1), (0, 20), (20, 20), (7, 20), (395, 400), (1490, 1500)])
 @pytest.mark.parametrize("confidence", [0.95, 0.9979])
@@ -163,10 +156,10 @@ def test_a_tail_limit_with_too_few_units_is_decided_by_point_estimate_and_says_h
     looks: dict[str, Any] = {}
     look = take_look([trial(rng, 4, 0.0, k) for k in range(3)], [r.id for r in runs], metric, 4,
                      plan.per_look, max_ms, Drift(0.001, 4))
-    looks[capacity.look_key(1024, 4)] = look
-    (context,) = capacity.assess([1024], max_ms, Bound(CEILING, "max_concurrency", ""), runs, looks, {},
-                                 trial_cap=plan.trial_cap)
-    (view,) = context.probes
+    looks[look_key(1024, 4)] = look
+    (context,) = assess([1024], max_ms, Bound(CEILING, "max_concurrency", ""), runs, looks, {},
+                        trial_cap=plan.trial_cap)
+    (view,) = probe_views(context, looks)
     assert view["units"] == 12 and view["units_needed"] > 600
     assert (view["verdict"], view["decided_by"]) == (PASS, BY_POINT)
     share, lo, hi = view["attainment"]
@@ -192,8 +185,9 @@ def test_trials_that_disagree_beyond_their_run_intervals_are_said_to_drift_and_g
     probe = look_state(6, look)
     # Its interval carries that spread: no verdict on two runs that disagree so.
     assert probe.figure is not None and probe.figure.hi / probe.figure.lo > 1.3
-    views = capacity.assess([1024], max_ms, Bound(CEILING, "max_concurrency", ""), runs,
-                            {capacity.look_key(1024, 6): look}, {})[0].probes
+    looks = {look_key(1024, 6): look}
+    (context,) = assess([1024], max_ms, Bound(CEILING, "max_concurrency", ""), runs, looks, {})
+    views = probe_views(context, looks)
     assert any("disagree beyond their run intervals" in n for n in views[0]["notes"])
     # At the boundary, a probe that drifts gets every trial the cap allows, not two.
     passed = Probe(5, trials=2, figure=Interval(10.0, 9.0, 11.0))

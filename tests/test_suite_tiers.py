@@ -19,7 +19,7 @@ UNIT_LINE = "pytestmark = pytest.mark.unit"
 # fixture there is one of these or one of PURE_CONFTEST_FIXTURES, said so below.
 STARTING_FIXTURES = {"real_tiny_service", "client", "shared_service", "shared_client", "stub_service",
                      "stub"}
-PURE_CONFTEST_FIXTURES: set[str] = set()
+PURE_CONFTEST_FIXTURES = {"no_rate"}
 # Fixtures of other modules that start a service process or a browser.
 STARTING_ELSEWHERE = {"browser", "page", "pages", "service"}
 # What starts a process or a server, or comes with one: never imported by a unit module.

@@ -28,7 +28,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 from service.analysis import prefill_rate
-from service.analysis.capacity import LookDue, assess, ceiling_bound, look_key, probe_runs, take_looks
+from service.analysis.capacity_runs import LookDue, assess, ceiling_bound, look_key, probe_runs, take_looks
 from service.core.errors import NotFound
 from service.core.spec import describe
 from service.storage import capacity, measurements, store

@@ -1,5 +1,5 @@
 """A capacity search as the API shows it: per input length the boundary, how sure it is,
-its probes and the decode rates there (from ``service.analysis.capacity.assess``).
+its probes and the decode rates there (from ``service.analysis.capacity_runs.assess``).
 
 Two figures per user are shown, each named for what it is: ``tokens_per_s_per_user``, the
 decode rate a stream sees while it decodes (1 / the median full-batch TPOT), which a
@@ -9,15 +9,25 @@ first token and the gaps between requests."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Engine
 
 from service.analysis import prefill_rate
-from service.analysis.capacity import Context, ServersRatio, assess, ceiling_bound, servers_ratio, wall_s
+from service.analysis.capacity import BY_POINT, CAPPED, REFUSED, UNDECIDED, Judgement, Probe
+from service.analysis.capacity_runs import (
+    Context,
+    ProbeRuns,
+    assess,
+    ceiling_bound,
+    look_key,
+    stored_interval,
+    wall_s,
+)
 from service.analysis.intervals import CONFIDENCE, Interval
-from service.analysis.prefill_rate import BY_POINT
+from service.analysis.sizing import ServersRatio, servers_ratio
 from service.core.ids import utcnow
 from service.core.provenance import hardware_line
 from service.core.shapes import is_shape, shape_of
@@ -182,7 +192,7 @@ def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) 
         state = "measuring"
     rate = prefill_rate.measured(step, input_len) if state == "decided" else None
     limit = f"p99 TTFT <= {max_ms:g} ms"
-    pointed = sorted(p.rate for p in probes if p.judgement(max_ms)[1] == BY_POINT)
+    pointed = sorted(p.rate for p in probes if p.judgement(max_ms)[1] == prefill_rate.BY_POINT)
     caveat = ("" if not pointed else
               f"; {', '.join(f'{r:g}' for r in pointed)} requests/s decided by the point estimate "
               f"after {prefill_rate.RATE_TRIAL_CAP} runs (the interval straddled the limit)")
@@ -263,11 +273,82 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
         at_least=decided and step.first_fail is None and step.bound.kind == "max_concurrency",
         decided_by_point_estimate=list(step.by_point_estimate),
         statement=_statement(search, context, decided),
-        probes=[_probe_public(dict(p), by_id) for p in context.probes],
+        probes=[_probe_public(view, by_id) for view in probe_views(context, search.looks)],
         tokens_per_s_per_user=rate,
         tokens_per_s_per_server=_figure(per_user, step.last_pass) if step.last_pass else None,
         decode_servers_per_prefill_server=ratio, prefill=prefill,
         runs=context.runs, wall_s=context.wall_s, error=context.ended or step.error)
+
+
+def probe_views(context: Context, looks: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every probe of an input length as the API lists it (``probe_view``), by concurrency."""
+    return [probe_view(p, context.states[p.concurrency], context.step.judged.get(p.concurrency), looks)
+            for p in context.probes]
+
+
+def probe_view(p: ProbeRuns, state: Probe, judgement: Judgement | None,
+               looks: Mapping[str, Any]) -> dict[str, Any]:
+    """One probe as the API lists it: its verdict (or why it has none yet), its figure with
+    the interval its latest look took, and what that look rests on."""
+    look = looks.get(look_key(p.input_len, p.concurrency))
+    if state.capped is not None:
+        verdict: str = CAPPED
+    elif state.refused is not None:
+        verdict = REFUSED
+    elif state.pending:
+        verdict = "running" if any(r.status != RunStatus.queued.value for r in p.runs) else "queued"
+    elif judgement is not None:
+        verdict = judgement.verdict
+    else:
+        verdict = "failed" if state.failed else "not judged"
+    figure = state.figure
+    if figure is None and look is not None and look.get("figure") is not None:
+        # The latest look, while another trial runs.
+        figure = stored_interval(look["figure"], float(look["confidence"]))
+    bounded = figure is not None and math.isfinite(figure.lo) and math.isfinite(figure.hi)
+    seen: Mapping[str, Any] = look or {}
+    decided_by = judgement.by if judgement is not None and state.pending == 0 else None
+    return {
+        "concurrency": p.concurrency,
+        "trials": len(p.succeeded()),
+        "run_ids": [r.id for r in p.runs],
+        "group_id": p.runs[0].group_id if p.runs else None,
+        "figure_ms": None if figure is None else figure.value,
+        "ci_ms": [figure.lo, figure.hi] if figure is not None and bounded else None,
+        "confidence": None if figure is None else figure.confidence,
+        "verdict": verdict,
+        "decided_by": decided_by,
+        "capped": state.capped,
+        "refused": state.refused,
+        "per_user": seen.get("per_user"),
+        "method": seen.get("method"),
+        "units": seen.get("units"),
+        "attainment": seen.get("attainment"),
+        "attainment_target": seen.get("target"),
+        "units_needed": seen.get("units_needed"),
+        "notes": _notes(seen, decided_by, verdict),
+    }
+
+
+def _notes(look: Mapping[str, Any], decided_by: str | None, verdict: str) -> list[str]:
+    """What a reader of a probe must know beside its figure: drift between its trials, an
+    interval nothing bounds yet, a tail verdict too few units could decide."""
+    notes = []
+    sd, p = look.get("drift_sd"), look.get("disagreement_p")
+    if look.get("drifts"):
+        notes.append(f"its trials disagree beyond their run intervals (p = {p:.2g}): runs drift; "
+                     f"the interval carries a spread between runs of {math.expm1(sd or 0.0):.0%} "
+                     "(pooled over the search's probes, and this one's)")
+    figure = look.get("figure")
+    if figure is not None and (figure[1] is None or figure[2] is None) and not look.get("drift_df"):
+        notes.append("no interval yet: no probe has two trials to measure the drift between runs")
+    needed, units, target = look.get("units_needed"), look.get("units"), look.get("target")
+    if needed is not None and units is not None and target is not None and (
+            decided_by == BY_POINT or verdict == UNDECIDED):
+        notes.append(f"{units} independent units; showing at least {target:.0%} of them meet the "
+                     f"limit at {float(look['confidence']):.2%} takes {needed} or more, all meeting "
+                     f"it{': the verdict is by point estimate' if decided_by == BY_POINT else ''}")
+    return notes
 
 
 def ran_on(base: Mapping[str, Any], runs: Sequence[Run]) -> str | None:
