@@ -61,9 +61,20 @@ def test_the_search_finds_the_stub_boundary_exactly_and_counts_its_runs(stub_ser
     (context,) = done["contexts"]
     assert context["decided"] and context["state"] == "decided"
     assert (context["max_concurrency"], context["first_failing"]) == (5, 6)
-    assert context["limited_by"] == "sla" and context["boundary_range"] == [5, 5]
-    assert context["confidence"] == 0.95 and "with 95% confidence it is 5" in context["statement"]
+    assert context["limited_by"] == "sla" and context["confidence"] == 0.95
     probes = probes_of(context)
+    # On a quiet machine every probe is decided by its interval and the range is exactly 5.
+    # A busy one can make a probe's trials drift apart (a CI run saw the trials at 5 do so
+    # beside another search on the same 2 cores): it then gets three trials, its interval
+    # carries the spread and may straddle the limit, and its point estimate decides, said so
+    # in the answer, whose range then holds 5 without closing on it.
+    pointed = {c for c, p in probes.items() if p["decided_by"] != "interval"}
+    assert all(probes[c]["trials"] == 3 and probes[c]["decided_by"] == "point estimate" for c in pointed)
+    assert set(context["decided_by_point_estimate"]) == pointed
+    low, high = context["boundary_range"]
+    assert low <= 5 <= high
+    if not pointed:
+        assert (low, high) == (5, 5) and "with 95% confidence it is 5" in context["statement"]
     # 1, 2, then aimed: the line through 20 ms at 1 and 30 at 2 meets 65 at 5.5, so 5 and 6
     # together on a quiet machine (doubling and bisecting probed 1 2 4 8, 6 5); a busy one
     # slows the stub's streams and can put the aim one lower. Either way the boundary pair
@@ -71,8 +82,8 @@ def test_the_search_finds_the_stub_boundary_exactly_and_counts_its_runs(stub_ser
     assert {1, 2, 5, 6} <= set(probes) <= {1, 2, 4, 5, 6, 7}
     assert all(p["verdict"] == ("pass" if c <= 5 else "fail") for c, p in probes.items())
     assert probes[5]["trials"] >= 2 and probes[6]["trials"] >= 2
-    assert all(p["decided_by"] == "interval" for p in probes.values())
-    assert probes[5]["ci_ms"][1] <= 65 < probes[6]["ci_ms"][0]
+    if not pointed:
+        assert probes[5]["ci_ms"][1] <= 65 < probes[6]["ci_ms"][0]
     assert probes[5]["confidence"] == pytest.approx(done["plan"]["per_look_confidence"])
     # Every run it spent is counted, each one a probe run linked to the search.
     run_ids = [r for p in probes.values() for r in p["run_ids"]]
