@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import subprocess
 import sys
 import zipfile
@@ -14,50 +13,16 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
-from rich.console import Console
 
 from service.cli import render, vllm_flags
+from service.cli.capacity import capacity
 from service.cli.client import ApiError, Client
-from service.cli.follow import follow_capacity, follow_runs, follow_sweep
-
-
-def _console(stderr: bool = False) -> Console:
-    """A console; where the output is not a terminal (a pipe, a file), tables are not wrapped to
-    80 columns but as wide as ``COLUMNS`` says (200 by default), so ids stay whole."""
-    stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() else int(os.environ.get("COLUMNS", "200"))
-    return Console(stderr=stderr, width=width)
-
-
-console = _console()
-err = _console(stderr=True)
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
-    sys.exit(code)
-
-
-class Command(click.Group):
-    """Turns the service's refusals into one line and exit status 1 (2 for bad flags)."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except ApiError as error:
-            fail(str(error), 2 if error.status in (400, 404, 409, 422) else 1)
-
-
-def client_of(ctx: click.Context) -> Client:
-    obj: dict[str, Any] = ctx.ensure_object(dict)
-    if "client" not in obj:
-        obj["client"] = Client(obj.get("url"), obj.get("token"))
-        ctx.call_on_close(obj["client"].close)
-    client: Client = obj["client"]
-    return client
+from service.cli.common import Command, client_of, console, err, fail
+from service.cli.follow import follow_runs
+from service.cli.sweeps import sweep, trials
 
 
 @click.group(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
@@ -74,6 +39,11 @@ def cli(ctx: click.Context, url: str | None, token: str | None) -> None:
 # --- the options a run takes: vLLM's names first, then decodebench's own --------------------
 
 FLOAT_INF = float("inf")
+
+
+cli.add_command(sweep)
+cli.add_command(trials)
+cli.add_command(capacity)
 
 
 def run_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -240,272 +210,6 @@ def _save(result: dict[str, Any], values: dict[str, Any], model: str, trial: int
             out.write("\n")
         json.dump(result, out)
     err.print(f"saved {path}", highlight=False)
-
-
-# --- sweeps ---------------------------------------------------------------------------------
-
-
-def _list(kind: Callable[[str], Any]) -> Callable[[str | None], list[Any] | None]:
-    def parse(text: str | None) -> list[Any] | None:
-        if text is None:
-            return None
-        try:
-            return [None if w.strip() in ("none", "inf") else kind(w.strip()) for w in text.split(",")]
-        except ValueError as error:
-            raise click.BadParameter(f"{text!r}: {error}") from None
-    return parse
-
-
-GRID = (("input_len", "--input-len", int), ("output_len", "--output-len", int),
-        ("max_concurrency", "--max-concurrency", int), ("request_rate", "--request-rate", float),
-        ("mode", "--mode", str), ("fill.mean", "--fill-mean", float), ("fill.std", "--fill-std", float))
-
-
-@cli.command()
-@click.option("--input-len", help="Comma-separated input lengths, e.g. 8192,32768.")
-@click.option("--output-len", help="Comma-separated output lengths.")
-@click.option("--max-concurrency", help="Comma-separated concurrency limits (none: no limit).")
-@click.option("--request-rate", help="Comma-separated request rates (inf: all at once).")
-@click.option("--mode", help="fill, prefill, seeded, fill,prefill or fill,seeded.")
-@click.option("--fill-mean", help="Comma-separated fill means.")
-@click.option("--fill-std", help="Comma-separated fill standard deviations.")
-@click.option("--model", default="decodebench-tiny", show_default=True)
-@click.option("--num-prompts", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--num-warmups", type=click.IntRange(0), default=0)
-@click.option("--repeats", type=click.IntRange(1), default=None,
-              help="Trials per point (default 1; 2 with --until-decided, its first look).")
-@click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it).")
-@click.option("--max-model-len", type=click.IntRange(16), default=None)
-@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
-@click.option("--until-decided", type=click.IntRange(2), default=None, metavar="MAX_PAIRS",
-              help="Run fill/prefill (or fill/seeded) pairs until every point is decided or "
-                   "MAX_PAIRS are spent.")
-@click.option("--no-wait", is_flag=True, help="Submit and print the sweep's id, without following it.")
-@click.pass_context
-def sweep(ctx: click.Context, /, **values: Any) -> None:
-    """Run a grid of points (each comma list is an axis) and follow it, one line per point; then
-    the fill/prefill verdict per point. Ctrl-C cancels the sweep on the service."""
-    grid: dict[str, list[Any]] = {}
-    for key, flag, kind in GRID:
-        parsed = _list(kind)(values[flag[2:].replace("-", "_")])
-        if parsed is not None:
-            grid[key] = parsed
-    if not grid:
-        fail("give at least one axis, e.g. --input-len 8192,32768 --mode fill,prefill", 2)
-    base: dict[str, Any] = {"model": values["model"], "num_prompts": values["num_prompts"],
-                            "range_ratio": values["random_range_ratio"], "seed": values["seed"],
-                            "warmup_prompts": values["num_warmups"]}
-    engine = {k: values[k] for k in ("max_model_len", "load_format") if values[k] is not None}
-    if values["engine_arg"]:
-        engine["extra_args"] = list(values["engine_arg"])
-    if engine:
-        base["engine"] = engine
-    client = client_of(ctx)
-    body: dict[str, Any] = {"base": base, "grid": grid}
-    if values["repeats"] is not None:
-        body["repeats"] = values["repeats"]
-    if values["until_decided"] is not None:
-        body["until_decided"] = {"max_pairs": values["until_decided"]}
-    created = client.post("/api/sweeps", body)
-    sweep_id = created["id"]
-    err.print(f"sweep {sweep_id}: {len(created['runs'])} runs on {client.url} "
-              f"(page {client.url}/sweeps/{sweep_id})", highlight=False)
-    if values["no_wait"]:
-        console.print(sweep_id)
-        return
-
-    _follow_and_judge(client, sweep_id)
-
-
-@cli.command()
-@click.argument("sweep_id")
-@click.option("--count", type=click.IntRange(1), default=1, show_default=True,
-              help="More pairs (trials, in a sweep not over mode) per point.")
-@click.option("--point", "point", multiple=True, metavar="KEY=VALUE",
-              help="Only the points with this grid value (repeat it); every point without it.")
-@click.option("--no-wait", is_flag=True, help="Queue them without following the sweep.")
-@click.pass_context
-def trials(ctx: click.Context, sweep_id: str, count: int, point: Sequence[str], no_wait: bool) -> None:
-    """Add trials to a sweep's points (they join its fill/prefill pairs) and follow it."""
-    chosen: dict[str, Any] = {}
-    for item in point:
-        key, sep, text = item.partition("=")
-        if not sep:
-            fail(f"--point {item!r}: give KEY=VALUE, e.g. input_len=8192", 2)
-        chosen[key] = _value(text)
-    client = client_of(ctx)
-    client.post(f"/api/sweeps/{sweep_id}/trials", {"count": count, "point": chosen or None})
-    err.print(f"queued {count} more per point on sweep {sweep_id}", highlight=False)
-    if not no_wait:
-        _follow_and_judge(client, sweep_id)
-
-
-def _value(text: str) -> Any:
-    """A grid value as typed: a number where it reads as one, else the word."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return None if text in ("none", "null") else text
-
-
-def _follow_and_judge(client: Client, sweep_id: str) -> None:
-    """Follow a sweep to its end, then print its verdicts; exit 1 if a run did not succeed."""
-
-    def cancel() -> None:
-        try:
-            client.post_anew(f"/api/sweeps/{sweep_id}/cancel")
-            err.print(f"cancelled sweep {sweep_id} on the service", highlight=False)
-        except ApiError as error:
-            err.print(f"could not cancel sweep {sweep_id}: {error}", highlight=False)
-
-    try:
-        ended = follow_sweep(client, sweep_id, err, cancel=cancel)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    _verdicts(ended)
-
-
-def _verdicts(ended: dict[str, Any]) -> None:
-    """Fill against prefill per point, as the sweep page says it (a sweep not over mode: each
-    point's figures), and the exit status."""
-    for row in ended.get("fill_vs_prefill") or []:
-        console.print(f"{_point_text(row.get('point'))}: {row.get('line') or row.get('verdict')}",
-                      highlight=False, markup=False)
-    if "mode" not in (ended.get("grid") or {}):
-        for point in ended.get("points") or []:
-            console.print(f"{_point_text(point.get('point'))}: {render.point_figures(point)}",
-                          highlight=False, markup=False, soft_wrap=True)
-    if any(r["status"] not in ("succeeded", "imported") for r in ended["runs"]):
-        sys.exit(1)
-
-
-def _point_text(point: Any) -> str:
-    if isinstance(point, dict):
-        return " ".join(f"{k}={v}" for k, v in point.items())
-    return str(point)
-
-
-# --- capacity searches -----------------------------------------------------------------------
-
-
-@cli.command(context_settings={"ignore_unknown_options": False})
-@click.option("--model", default="decodebench-tiny", show_default=True,
-              help="Model to serve, as `bench serve --model` takes it.")
-@click.option("--input-len", "--random-input-len", "input_len", required=True,
-              help="Comma-separated input lengths, e.g. 8192,32768: one boundary each.")
-@click.option("--output-len", "--random-output-len", "output_len", type=click.IntRange(1), default=None,
-              help="Output tokens per request (default: the service's, 128).")
-@click.option("--sla-metric", type=click.Choice(vllm_flags.SLA_METRICS), required=True,
-              help="The steady-window decode figure the limit is put on.")
-@click.option("--sla-max-ms", type=click.FloatRange(0, min_open=True), required=True,
-              help="The limit: the figure at most this many ms.")
-@click.option("--max-concurrency", type=click.IntRange(1), default=None,
-              help="The highest concurrency to probe (default: the service's, 1024).")
-@click.option("--max-runs", type=click.IntRange(1), default=None,
-              help="Runs the search may spend in all (default: 32 per input length).")
-@click.option("--prefill-tokens-per-s", type=click.FloatRange(0, min_open=True), default=None,
-              help="A prefill server's prefill tokens/s: size decode servers per prefill server.")
-@click.option("--prefill-ttft-p99-max-ms", type=click.FloatRange(0, min_open=True), default=None,
-              help="Measure the prefill side instead: real-prefill runs at rising request rates, up to "
-                   "the highest whose p99 TTFT is at most this.")
-@click.option("--prefill-start-rate", type=click.FloatRange(0, min_open=True), default=None,
-              help="The measured prefill side's first request rate (default 1/s), doubled from there.")
-@click.option("--prefill-max-rate", type=click.FloatRange(0, min_open=True), default=None,
-              help="The highest request rate the prefill side is measured at (default 1024/s).")
-@click.option("--prefill-duration-s", type=click.FloatRange(1, 3600), default=None,
-              help="How long each prefill rate's run sends, rate x this many requests (default 60 s): "
-                   "long enough for a queue that grows to show in its TTFT.")
-@click.option("--prefill-min-prompts", type=click.IntRange(8), default=None,
-              help="Requests each prefill rate's run sends at least (default 100).")
-@click.option("--burstiness", type=click.FloatRange(0, min_open=True), default=None,
-              help="The prefill runs' arrivals: 1 Poisson (the default), higher more regular.")
-@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=None)
-@click.option("--seed", type=int, default=None)
-@click.option("--fill-mean", type=float, default=None)
-@click.option("--fill-std", type=float, default=None)
-@click.option("--fill-at-start", is_flag=True,
-              help="Fill the whole KV cache once when the server starts (no fill in the steps).")
-@click.option("--tensor-parallel-size", type=click.IntRange(1), default=None)
-@click.option("--max-model-len", type=click.IntRange(16), default=None)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None)
-@click.option("--gpu-memory-utilization", type=float, default=None)
-@click.option("--kv-cache-gib", type=float, default=None,
-              help="the KV cache's size in GiB (vLLM's --kv-cache-memory-bytes), instead of a share")
-@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default=None)
-@click.option("--num-layers", type=click.IntRange(1), default=None,
-              help="Build a bundled shape with this many layers (every kind it has kept).")
-@click.option("--engine-arg", multiple=True, help="An extra vLLM server argument (repeat it).")
-@click.option("--no-wait", is_flag=True, help="Submit and print the search's id, without following it.")
-@click.option("--json", "as_json", is_flag=True, help="At the end, the API's answer as JSON.")
-@click.pass_context
-def capacity(ctx: click.Context, /, **values: Any) -> None:
-    """Find, per input length, the largest concurrency one decode server holds under a latency
-    limit (POST /api/capacity), with a line per probe as it is decided and a table at the end.
-
-    Ctrl-C cancels the search on the service. Exit status 1 when it did not succeed, or when
-    it stayed active with every run ended for 5 minutes (no look advanced it)."""
-    try:
-        body = vllm_flags.capacity_body(values)
-    except ValueError as error:
-        fail(str(error), 2)
-    client = client_of(ctx)
-    created = client.post("/api/capacity", body)
-    search_id = created["id"]
-    err.print(f"capacity search {search_id} on {client.url} (page {client.url}/capacity/{search_id})",
-              highlight=False, soft_wrap=True)
-    if values["no_wait"]:
-        console.print(search_id)
-        return
-
-    def cancel() -> None:
-        try:
-            client.post_anew(f"/api/capacity/{search_id}/cancel")
-            err.print(f"cancelled capacity search {search_id} on the service", highlight=False)
-        except ApiError as error:
-            err.print(f"could not cancel capacity search {search_id}: {error}", highlight=False)
-
-    try:
-        ended = follow_capacity(client, search_id, err, cancel=cancel)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    if values["as_json"]:
-        console.print_json(data=ended)
-    else:
-        _print_capacity(ended)
-    if ended["status"] != "succeeded":
-        sys.exit(1)
-
-
-def _print_capacity(search: dict[str, Any]) -> None:
-    """The table per input length, then each one's answer in a sentence."""
-    console.print(render.capacity_table(search))
-    ratios = render.ratio_table(search)
-    if ratios is not None:
-        console.print(ratios)
-    for context in search["contexts"]:
-        console.print(f"input_len {context['input_len']}: {context['statement']}", highlight=False,
-                      markup=False, soft_wrap=True)
-        ratio = context.get("decode_servers_per_prefill_server")
-        if ratio:
-            console.print(f"input_len {context['input_len']}: {ratio['sentence']}; {ratio['holds_if']}",
-                          highlight=False, markup=False, soft_wrap=True)
-        if context.get("error"):
-            console.print(f"input_len {context['input_len']}: {context['error']}", highlight=False,
-                          markup=False, soft_wrap=True)
-    if search.get("error"):
-        console.print(f"search: {search['error']}", highlight=False, markup=False, soft_wrap=True)
-    if search.get("ran_on"):
-        console.print(f"ran on: {search['ran_on']}", highlight=False, markup=False, soft_wrap=True)
-    for caveat in search.get("caveats") or []:
-        console.print(f"caveat ({caveat['code']}, {caveat['runs']} runs): {caveat['message']}",
-                      highlight=False, markup=False, soft_wrap=True)
-
-
-# --- reading and managing what the service holds ----------------------------------------
 
 
 @cli.command()

@@ -46,7 +46,8 @@ from service.control import hub, provenance
 from service.control.energy import EnergyMeter, energy_warnings
 from service.control.fleet import Fleet, LoadDrivers, Placement
 from service.control.handles import WorkerError, WorkerHandle
-from service.control.vllm_cli import cache_config, local_model_config
+from service.control.seeded_pass import SeededPass
+from service.control.vllm_cli import local_model_config
 from service.control.watchdog import Watchdog, blind_limit, still_serves
 from service.core.protocol import connector_totals
 from service.core.sample import Sample
@@ -138,9 +139,8 @@ class Runner:
         self.watchdog: Watchdog | None = None
         # The server's energy and clocks while the run is measured (``service.control.energy``).
         self.meter: EnergyMeter | None = None
-        # A seeded run's seed set against its server's KV cache, and its seeding pass.
-        self.fit: seeding.Fit | None = None
-        self.seeding: dict[str, Any] | None = None
+        # A seeded run's seeding pass (``service.control.seeded_pass``).
+        self.seeded = SeededPass(settings, fleet, run_id, spec) if spec.mode.seeds else None
 
     # ------------------------------------------------------------ messages
 
@@ -286,8 +286,8 @@ class Runner:
         # sent, and the server stays, idle, for runs it fits.
         reason = too_long(spec, handle) or infeasible(batch or 1, spec.longest_request_tokens(),
                                                       handle.kv_tokens)
-        if reason is None and spec.mode.seeds:
-            reason = await self._seed_set_problem(handle)
+        if reason is None and self.seeded is not None:
+            reason = await self.seeded.problem(handle)
         load_format = effective_load_format(spec.model, spec.engine.load_format)
         facts = provenance.service_facts()
 
@@ -302,8 +302,10 @@ class Runner:
         log.info("run %s started on vLLM server %s: %s, ISL %d, OSL %d, %d prompts, concurrency %s, mode %s",
                  self.run_id, handle.id, spec.model, spec.input_len, spec.output_len, spec.num_prompts,
                  spec.max_concurrency, spec.mode)
-        if spec.mode.seeds:
-            self.seeding = await self._seed(handle)
+        if self.seeded is not None:
+            failed = await self.seeded.seed(handle, self._watching)
+            if failed is not None:
+                raise RunFailed(failed)
         duration, sent, rule = await self._measure(handle)
         # Every answered request saved now: the waits below (the connector's account, the
         # summary) take seconds, during which progress must be right and a crash lose nothing.
@@ -341,11 +343,11 @@ class Runner:
         # Only a run whose requests came back is judged on the connector's account (a dead
         # or failing server has its own, clearer reason above).
         answered = len(ok) + self.spec.warmup_prompts
-        seeded = self.seeding["prompts"] if self.seeding is not None else 0
+        seeded = self.seeded.prompts if self.seeded is not None else 0
         totals = await self._connector_totals(answered + seeded)
         failure, warnings = connector_verdict(totals, self.spec.mode, answered + seeded)
-        if failure is None and self.seeding is not None:
-            failure = self._replay_problem(summary)
+        if failure is None and self.seeded is not None:
+            failure = self.seeded.replay_problem(summary, handle.vocab_size, self.samples, self.points)
         if failure is not None:
             await self._end(RunStatus.failed, failure, summary=summary)
             return
@@ -353,87 +355,9 @@ class Runner:
         warnings += await asyncio.to_thread(self._warnings, summary, batch, recomputed)
         await self._end(RunStatus.succeeded, None, summary=summary, warnings=warnings)
 
-    async def _seed_set_problem(self, handle: WorkerHandle) -> str | None:
-        """Why a seeded run's seed set cannot stay in its server's KV cache through the
-        measured requests (``seeding.Fit``), or why it cannot be seeded at all."""
-        info = await cache_config(self.fleet.client, handle.url)
-        if info.get("enable_prefix_caching") == "False":
-            return ("mode \"seeded\" needs vLLM's prefix cache, and this server runs without it "
-                    "(enable_prefix_caching False)")
-        try:
-            block, blocks = int(info["block_size"]), int(info["num_gpu_blocks"])
-        except (KeyError, ValueError):
-            return ("mode \"seeded\" needs the server's block size and KV cache size "
-                    "(vllm:cache_config_info on its /metrics), and it did not give them")
-        plan = make_plan(self.spec.model_copy(update={"num_prompts": self.spec.prompt_budget()}),
-                         handle.vocab_size)
-        lens = [int(n) for n in plan.input_lens]
-        if max(lens) <= block:
-            return (f"mode \"seeded\" replays whole {block}-token blocks of each prompt from the "
-                    f"prefix cache, and no prompt of this run is longer than one block: raise input_len")
-        self.fit = seeding.fit(handle.kv_tokens or blocks * block, block, lens,
-                               [int(n) for n in plan.output_lens])
-        return self.fit.problem()
-
-    async def _seed(self, handle: WorkerHandle) -> dict[str, Any]:
-        """The seeding pass: every prompt of the run once, one output token each, not
-        measured; what it took and whether the seed set was already cached (the server's
-        prefix-cache counters around it)."""
-        assert self.fit is not None
-        spec = self.spec.seeding_spec()
-        scraper = Scraper(self.fleet.client, handle.url)
-        before = await scraper.scrape()
-        drivers = self.fleet.drivers_for(self.run_id, spec, handle, phase="seeding")
-        # Watched as the measured requests are: a server that dies or hangs while it
-        # prefills the seed set fails the run then, not at the request timeout.
-        watch = self.watchdog = Watchdog(self.settings, spec, self.fleet, handle, drivers, seeding=True)
-        samples: list[Sample] = []
-
-        def on_sample(sample: Sample) -> None:
-            samples.append(sample)
-            watch.saw(sample)
-
-        began = time.perf_counter()
-        sending = asyncio.create_task(drivers.run(on_sample))
-        watching = asyncio.create_task(watch.run())
-        try:
-            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
-            if not sending.done():
-                raise watching.result()
-            sending.result()
-        finally:
-            for task in (sending, watching):
-                task.cancel()
-            await asyncio.gather(sending, watching, return_exceptions=True)
-        seconds = time.perf_counter() - began
-        if watch.finding is not None:
-            raise watch.finding
-        after = await scraper.scrape()
-        failed = [s for s in samples if not s.success]
-        if failed or len(samples) < spec.num_prompts:
-            first = next((s.error for s in failed if s.error), "no answer")
-            raise RunFailed(f"seeding failed: {len(failed)} of {spec.num_prompts} prompts were not "
-                            f"prefilled (first error: {first})")
-        lens = [s.prompt_len for s in sorted(samples, key=lambda s: s.index)]
-        return seeding.seeding_record(
-            seconds, self.fit.block, lens,
-            seeding.counters(before.values if before else None, after.values if after else None),
-            self.spec.seed_set_salt() or "")
-
-    def _replay_problem(self, summary: dict[str, Any]) -> str | None:
-        """The proof that every measured request of a seeded run decoded on the seed set's
-        KV (``seeding.replay_problem``), kept in the summary's ``seeding`` with the seeding
-        pass; the reason the run fails when it does not hold."""
-        assert self.seeding is not None and self.fit is not None
-        warmups = make_plan(self.spec, self.handle.vocab_size if self.handle else None).input_lens
-        lengths = [int(n) for n in warmups[:self.spec.warmup_prompts]] + [s.prompt_len for s in self.samples]
-        first, last = seeding.replay_point(self.points)
-        problem, figures = seeding.replay_problem(seeding.counters(first, last), self.fit.block,
-                                                  lengths, self.fit)
-        summary["seeding"] = {**self.seeding, "kv_cache_tokens": self.fit.kv_tokens,
-                              "seed_set_tokens": self.fit.seed_set, "fresh_tokens": self.fit.fresh,
-                              "measured": figures, "proven": problem is None}
-        return problem
+    def _watching(self, watchdog: Watchdog) -> None:
+        """The watchdog now watching the run's server (a cancel reads its limits)."""
+        self.watchdog = watchdog
 
     def _summary(self, duration: float) -> dict[str, Any]:
         """vLLM's summary keys and, beside them, each latency statistic's 95% interval over
