@@ -156,7 +156,7 @@ class Placement:
     evict: list[WorkerHandle] = field(default_factory=list)
 
 
-class Fleet(RegisteredServers):
+class Fleet:
     """The servers and drivers of this service (see the module docstring)."""
 
     def __init__(self, settings: Settings, engine: Engine, client: httpx.AsyncClient,
@@ -166,6 +166,8 @@ class Fleet(RegisteredServers):
         self.client = client
         # Servers runs can be placed on (ready, or starting for the run that waits on it).
         self.workers: dict[str, WorkerHandle] = {}
+        # The registered ones among them: their records, probes and removal.
+        self.registered = RegisteredServers(engine, client, self.workers)
         # Servers being stopped: they take no runs and hold their GPUs until stopped.
         self._stopping: dict[str, WorkerHandle] = {}
         # Runs placed on a new server that is not up yet, with the GPUs they hold.
@@ -193,7 +195,7 @@ class Fleet(RegisteredServers):
         if self.servers.slots() is None:
             self._gpus = await asyncio.to_thread(self.settings.gpu_ids)
         orphans = await asyncio.to_thread(self.servers.reap_orphans)
-        registered = await self.load_registered()
+        registered = await self.registered.load_registered()
         if registered:
             log.info("%d registered workers to probe", registered)
         return orphans
@@ -325,7 +327,7 @@ class Fleet(RegisteredServers):
     async def bury(self, handle: WorkerHandle, error: str) -> None:
         """A server exited on its own: what is left of its process group is stopped."""
         if handle.external:
-            await self.set_unavailable(handle, error)
+            await self.registered.set_unavailable(handle, error)
             return
         await self._take_down(handle, lambda: self.servers.bury(handle, error))
 
@@ -339,7 +341,7 @@ class Fleet(RegisteredServers):
 
     async def _stop(self, handle: WorkerHandle, status: str, error: str) -> None:
         if handle.external:
-            await self.set_unavailable(handle, error)
+            await self.registered.set_unavailable(handle, error)
             return
         await self._take_down(handle, lambda: self.servers.stop(handle, status, error))
 

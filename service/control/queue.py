@@ -117,7 +117,7 @@ class Scheduler:
             self._probe_wakeup.clear()
             handles = [h for h in self.fleet.workers.values() if h.external]
             results = await asyncio.gather(
-                *(self.fleet.probe(h) for h in handles), return_exceptions=True
+                *(self.fleet.registered.probe(h) for h in handles), return_exceptions=True
             )
             for handle, result in zip(handles, results, strict=True):
                 if isinstance(result, Exception):

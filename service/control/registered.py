@@ -33,12 +33,14 @@ LAST_SEEN_EVERY_S = 30.0
 
 
 class RegisteredServers:
-    """The registered servers' part of the fleet (``service.control.fleet.Fleet``), which
-    holds them in ``workers`` next to the ones it starts."""
+    """The registered servers of the fleet (``service.control.fleet.Fleet``): it keeps them
+    in its ``workers``, shared with this, next to the ones it starts."""
 
-    engine: Engine
-    client: httpx.AsyncClient
-    workers: dict[str, WorkerHandle]
+    def __init__(self, engine: Engine, client: httpx.AsyncClient, workers: dict[str, WorkerHandle]) -> None:
+        self.engine = engine
+        self.client = client
+        # The fleet's own dict of servers runs can be placed on: never replaced, only changed.
+        self.workers = workers
 
     def _check_url_free(self, url: str) -> None:
         for handle in self.workers.values():

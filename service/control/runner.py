@@ -21,7 +21,6 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from service.analysis import seeding
 from service.analysis.bursts import run_warnings
 from service.analysis.checks import (
     Point,
@@ -53,7 +52,6 @@ from service.core.protocol import connector_totals
 from service.core.sample import Sample
 from service.core.spec import RunSpec, describe, effective_load_format
 from service.core.status import RunStatus
-from service.load.generator import make_plan
 from service.load.shards import DriverError
 from service.settings import Settings
 from service.storage import measurements, store
@@ -225,7 +223,8 @@ class Runner:
         if reuse is not None and reuse.external and not await self.fleet.healthy(reuse):
             # A registered server can go away between two probes: the run stays queued
             # for the next server that answers instead of failing on this one.
-            await self.fleet.set_unavailable(reuse, "did not answer /health as a run was about to start")
+            await self.fleet.registered.set_unavailable(
+                reuse, "did not answer /health as a run was about to start")
             return
         if not await asyncio.to_thread(store.transition, self.engine, self.run_id, RunStatus.starting):
             return

@@ -33,7 +33,7 @@ async def register_worker(body: WorkerRegister, request: Request, scheduler: Sch
     """Register a vLLM server started elsewhere; the answer holds its worker token and the
     exact ``vllm serve`` line to start it with (shown once)."""
     settings = request.app.state.settings
-    worker, token = await scheduler.fleet.register(body)
+    worker, token = await scheduler.fleet.registered.register(body)
     control_url = body.control_url or settings.control_base_url()
     command, config = serve_command(body, control_url, token)
     scheduler.probe_now()
@@ -55,5 +55,5 @@ def get_worker(worker_id: str, engine: DB) -> WorkerPublic:
 async def remove_worker(worker_id: str, scheduler: Sched) -> Response:
     """Remove a registered server: no more runs go to it and its token stops working;
     409 while it serves a run."""
-    await scheduler.fleet.deregister(worker_id)
+    await scheduler.fleet.registered.deregister(worker_id)
     return Response(status_code=204)
