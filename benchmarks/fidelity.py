@@ -236,7 +236,8 @@ def run_client(url: str, point: Point, args: argparse.Namespace, seed: int, tag:
     import asyncio
 
     from service.core.spec import RunSpec
-    from service.load.generator import LoadGenerator, make_plan
+    from service.load.generator import LoadGenerator
+    from service.load.plan import make_plan
 
     spec = RunSpec(model=args.model, engine=engine(args), input_len=point.input_len,
                    output_len=args.output_len, num_prompts=args.prompts,

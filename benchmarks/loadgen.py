@@ -35,7 +35,8 @@ from vllm.benchmarks.lib.endpoint_request_func import (
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.driver import shard_count
-from service.load.generator import LoadGenerator, make_plan
+from service.load.generator import LoadGenerator
+from service.load.plan import make_plan
 from service.load.shards import DriverPool, Drivers
 
 HERE = Path(__file__).resolve().parent

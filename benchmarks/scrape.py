@@ -40,7 +40,8 @@ from service.analysis.server_metrics import Point, Scraper  # noqa: E402
 from service.core.sample import Sample  # noqa: E402
 from service.core.spec import RunSpec  # noqa: E402
 from service.core.tinymodel import TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model  # noqa: E402
-from service.load.generator import LoadGenerator, make_plan  # noqa: E402
+from service.load.generator import LoadGenerator  # noqa: E402
+from service.load.plan import make_plan  # noqa: E402
 
 
 async def trial(url: str, args: argparse.Namespace, seed: int, scraped: bool) -> tuple[float, int, int]:

@@ -48,7 +48,8 @@ from service.control.vllm_cli import engine_flags, kv_transfer_config  # noqa: E
 from service.core.sample import Sample  # noqa: E402
 from service.core.shapes import ensure_bundled  # noqa: E402
 from service.core.spec import EngineSpec, RunSpec  # noqa: E402
-from service.load.generator import LoadGenerator, make_plan  # noqa: E402
+from service.load.generator import LoadGenerator  # noqa: E402
+from service.load.plan import make_plan  # noqa: E402
 
 ARMS = ("per-request", "startup")
 

@@ -14,7 +14,7 @@ import pytest
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.driver import DriverConfig, shard_concurrency, shard_count
-from service.load.generator import LoadShape, make_plan
+from service.load.plan import LoadShape, make_plan
 from service.load.shards import DriverPool, Drivers, Progress, ShardedRun
 
 

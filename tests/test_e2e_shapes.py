@@ -22,7 +22,7 @@ import pytest
 
 from service.core import shapes
 from service.core.spec import RunSpec
-from service.load.generator import make_plan
+from service.load.plan import make_plan
 from tests.conftest import wait_finished, wait_for
 from tests.vllm_process import real_service, start_vllm, stop, wait_healthy
 

@@ -25,7 +25,7 @@ import pytest
 from service.control.procs import rpc_dir
 from service.core.spec import RunSpec
 from service.core.tinymodel import MAX_MODEL_LEN, TINY_MODEL_NAME, VOCAB_SIZE, ensure_tiny_model
-from service.load.generator import make_plan
+from service.load.plan import make_plan
 from tests.conftest import API_TOKEN, wait_finished, wait_for
 from tests.ports import free_port
 from tests.vllm_process import start_vllm
@@ -328,7 +328,7 @@ def test_fill_run_generates_what_vllms_decode_bench_connector_generates(
 def test_prefill_run_after_fill_run_matches_a_server_without_connector(
     service: httpx.Client, reference_servers: dict[str, str]
 ) -> None:
-    # Longer than one prompt block (``service.load.generator.PROMPT_BLOCK``): the driver streams
+    # Longer than one prompt block (``service.load.plan.PROMPT_BLOCK``): the driver streams
     # these prompts block by block, and the server must still see exactly them.
     spec: dict[str, Any] = {"input_len": 9000, "output_len": 12, "num_prompts": 3,
                             "max_concurrency": 1, "seed": 33}

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.core.spec import RunSpec
-from service.load.generator import RampUp, arrival_offsets, make_plan
+from service.load.plan import RampUp, arrival_offsets, make_plan
 from tests.conftest import wait_finished
 
 

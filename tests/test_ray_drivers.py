@@ -23,7 +23,7 @@ from ray import cluster_utils
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from service.load.driver import DriverConfig
-from service.load.generator import LoadShape
+from service.load.plan import LoadShape
 from service.load.ray_drivers import _REMOTE_HOST, RayDriverBackend, host_name
 from service.load.shards import (
     DriverError,

@@ -25,7 +25,7 @@ from service.core.spec import EngineSpec, RunSpec
 from service.core.status import RunStatus
 from service.core.sweep import SweepCreate
 from service.core.tinymodel import VOCAB_SIZE
-from service.load.generator import make_plan
+from service.load.plan import make_plan
 from service.storage import store, sweeps
 from service.storage.db import make_engine
 from service.web.sweep_view import sweep_public

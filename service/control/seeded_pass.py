@@ -21,7 +21,7 @@ from service.control.vllm_cli import cache_config
 from service.control.watchdog import Watchdog
 from service.core.sample import Sample
 from service.core.spec import RunSpec
-from service.load.generator import make_plan
+from service.load.plan import make_plan
 from service.settings import Settings
 
 

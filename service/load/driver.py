@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from pydantic import BaseModel
 
-from service.load.generator import LoadGenerator, LoadShape, make_plan
+from service.load.generator import LoadGenerator
+from service.load.plan import LoadShape, make_plan
 
 if TYPE_CHECKING:
     from service.core.spec import RunSpec

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from service.core.sample import Sample
 from service.load.driver import DriverConfig, shard_count
 from service.load.forkserver_client import DriverHost, HostLost
-from service.load.generator import LoadShape
+from service.load.plan import LoadShape
 from service.storage.logs import log_tail
 
 if TYPE_CHECKING:
