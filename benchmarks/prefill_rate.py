@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from service.analysis.prefill_rate import rate_plan
-from service.core.capacity import rate_prompts
+from service.core.capacity_records import PrefillPlan
 from tests.prefill_queue import simulated_search, sustainable_rate
 
 # (service time s, p99 TTFT limit s): 2,048-token prompts at 16k tokens/s, limits 0.5-2 s.
@@ -70,7 +70,7 @@ def main() -> None:
 
 def _server_seconds(prefill: dict[str, Any], rate: float) -> float:
     """About how long one run near the answer sends: its requests over its rate."""
-    return rate_prompts(rate, prefill) / rate
+    return PrefillPlan.model_validate(prefill).prompts_at(rate) / rate
 
 
 if __name__ == "__main__":

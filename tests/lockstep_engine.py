@@ -119,11 +119,12 @@ def search(rng: np.random.Generator, metric: str, sigma: float, max_ms: float, c
     (``take_looks``: the drift pooled from the search's other looks). Its last step and the
     runs it spent (stopped before it would spend more than ``max_runs``)."""
     from service.analysis import capacity, capacity_runs
+    from service.core.capacity_records import SearchLooks, probe_key
 
     plan = capacity.plan_for(ceiling)
     bounds = (capacity.Bound(ceiling, "max_concurrency", ""),)
     trials: dict[int, list[list[Sample]]] = {}
-    looks: dict[str, Any] = {}
+    looks = SearchLooks()
     probes: dict[int, Any] = {}
     runs = 0
     while True:
@@ -134,9 +135,9 @@ def search(rng: np.random.Generator, metric: str, sigma: float, max_ms: float, c
         for c in found.queue:
             trials.setdefault(c, []).append(trial(rng, c, sigma, runs, step=step))
             runs += 1
-        due = [capacity_runs.LookDue(capacity_runs.look_key(1024, c), c, trials[c],
+        due = [capacity_runs.LookDue(probe_key(1024, c), c, trials[c],
                                 [f"r{c}-{k}" for k in range(len(trials[c]))])
                for c in dict.fromkeys(found.queue)]
         looks = capacity_runs.take_looks(due, looks, metric, plan.per_look, max_ms)
         for probe in due:
-            probes[probe.concurrency] = capacity_runs.look_state(probe.concurrency, looks[probe.key])
+            probes[probe.concurrency] = capacity_runs.look_state(probe.concurrency, looks.probes[probe.key])

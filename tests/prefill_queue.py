@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from service.analysis import prefill_rate
-from service.core.capacity import rate_prompts
+from service.core.capacity_records import PrefillPlan, SearchLooks, rate_key
 from service.core.sample import Sample
 from service.storage.tables import Run
 
@@ -57,21 +57,22 @@ def simulated_search(seed: int, service_s: float,
     verdicts that carry a confidence put the crossing (``sure_bracket``)."""
     rng = np.random.default_rng(seed)
     runs: list[Run] = []
-    looks: dict[str, Any] = {}
+    looks = SearchLooks()
+    plan = PrefillPlan.model_validate(prefill)
     samples: dict[str, list[Sample]] = {}
     start = datetime(2026, 1, 1, tzinfo=UTC)
-    limit = float(prefill["ttft_p99_max_ms"])
+    limit = plan.ttft_p99_max_ms
     while True:
-        _, step = prefill_rate.step_of(runs, 2048, prefill, looks)
+        _, step = prefill_rate.step_of(runs, 2048, plan, looks)
         if step.queue is None:
             return step.last_pass, len(runs), step.surely
         rate = step.queue
-        sent, ttft = queue_run(rate, service_s, rate_prompts(rate, prefill), rng)
+        sent, ttft = queue_run(rate, service_s, plan.prompts_at(rate), rng)
         run_id = f"r{len(runs)}"
         samples[run_id] = samples_of(sent, ttft, 2048)
         runs.append(Run(id=run_id, spec={"mode": "prefill", "input_len": 2048, "request_rate": rate},
                         status="succeeded", summary={"p99_ttft_ms": float(np.quantile(ttft, 0.99)) * 1000},
                         created_at=start + timedelta(seconds=len(runs))))
         for r, ids in prefill_rate.looks_due(runs, 2048, looks):
-            looks[prefill_rate.look_key(2048, r)] = prefill_rate.take_look(
-                [samples[i] for i in ids], ids, limit, prefill_rate.per_look(prefill))
+            looks.rates[rate_key(2048, r)] = prefill_rate.take_look(
+                [samples[i] for i in ids], ids, limit, prefill_rate.per_look(plan))

@@ -29,6 +29,7 @@ from service.analysis.capacity import (
 from service.analysis.capacity_runs import look_state
 from service.analysis.intervals import Interval
 from service.core.capacity import SLA_METRICS
+from service.core.capacity_records import ProbeLook
 from tests.lockstep_engine import search, step_s, true_figure
 
 LIMIT = 65.0
@@ -84,8 +85,8 @@ def test_a_tail_limit_aims_by_the_line_of_its_medians_at_the_limit_over_the_tail
     probes = {c: replace(decided(c, 2 * (10 + 10 * c)), typical=10.0 + 10 * c) for c in (1, 2)}
     assert line_boundary(probes, 130.0) == pytest.approx(5.5)
     # A stored look keeps the trials' levels: its median is read back from them.
-    look = {"runs": ["a", "b"], "confidence": 0.99, "figure": [80.0, 70.0, 90.0],
-            "levels": [math.log(0.039), math.log(0.041)]}
+    look = ProbeLook.model_validate({"runs": ["a", "b"], "confidence": 0.99, "figure": [80.0, 70.0, 90.0],
+                                     "levels": [math.log(0.039), math.log(0.041)]})
     assert look_state(3, look).typical == pytest.approx(1000 * math.sqrt(0.039 * 0.041))
 
 

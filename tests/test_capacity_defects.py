@@ -158,6 +158,24 @@ def test_a_search_whose_runs_cannot_be_read_answers_200_and_ends_failed(tmp_path
         assert client.get(f"/api/capacity/{search_id}/export").status_code == 200
 
 
+def test_a_stored_look_this_version_cannot_read_answers_200_and_ends_the_search_failed(
+        tmp_path: Path) -> None:
+    # A look whose figure is no interval (as a damaged row or another version might leave
+    # it): its search's records are validated on read, so the look at the start (catching
+    # up) ends it failed naming the field, and its GET and page still answer.
+    settings, engine, search_id = _stored_search(tmp_path)
+    looks = {"64:1": {"runs": ["r-x"], "confidence": 0.99, "figure": ["fast", None, None]}}
+    with Session(engine) as session:
+        session.execute(update(CapacitySearch).where(col(CapacitySearch.id) == search_id).values(looks=looks))
+        session.commit()
+    engine.dispose()
+    with ServedTestClient(settings, headers=AUTH) as client:
+        done = wait_search(client, search_id, timeout=60)
+        assert done["status"] == "failed", done
+        assert "its look failed" in done["error"] and "figure" in done["error"], done["error"]
+        assert client.get(f"/capacity/{search_id}").status_code == 200
+
+
 def test_the_cli_follow_of_a_search_nobody_advances_gives_up(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in FAST.items():

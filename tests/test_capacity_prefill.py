@@ -293,14 +293,14 @@ def test_the_measured_rate_is_what_a_known_queue_sustains_not_its_backlog() -> N
 
 def test_a_settled_queue_near_its_rate_is_no_backlog_and_a_growing_one_is() -> None:
     rng = np.random.default_rng(7)
-    prefill = {"duration_s": 60.0, "min_prompts": 100}
+    prompts = {rate: rate_prompts(rate, 60.0, 100) for rate in (6.4, 8.8)}
     # At 80% of the server's rate the queue settles: its TTFT rises from empty, then stays.
-    settled = [samples_of(*queue_run(6.4, 0.125, rate_prompts(6.4, prefill), rng), 2048) for _ in range(5)]
-    assert not any(prefill_rate.take_look([s], ["r"], 1000.0, 0.95)["backlog"] for s in settled)
+    settled = [samples_of(*queue_run(6.4, 0.125, prompts[6.4], rng), 2048) for _ in range(5)]
+    assert not any(prefill_rate.take_look([s], ["r"], 1000.0, 0.95).backlog for s in settled)
     # At 110% it grows by 0.8 requests a second: 6 s of queue after 60 s.
-    growing = samples_of(*queue_run(8.8, 0.125, rate_prompts(8.8, prefill), rng), 2048)
+    growing = samples_of(*queue_run(8.8, 0.125, prompts[8.8], rng), 2048)
     look = prefill_rate.take_look([growing], ["r"], 1000.0, 0.95)
-    assert look["backlog"] and look["climb_ms"][0] > 3000
+    assert look.backlog and look.climb_ms is not None and look.climb_ms[0] > 3000
 
 
 def test_a_p99_needs_hundreds_of_independent_requests_to_be_bounded() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from service.analysis.capacity import (
     next_step,
     plan_for,
 )
-from service.analysis.capacity_runs import assess, look_key, look_state, take_look
+from service.analysis.capacity_runs import assess, look_state, take_look
 from service.analysis.intervals import Interval
 from service.analysis.probe_units import (
     STATISTICS,
@@ -33,6 +32,7 @@ from service.analysis.probe_units import (
     trial_units,
 )
 from service.core.capacity import SLA_METRICS, probe_spec
+from service.core.capacity_records import SearchLooks, probe_key
 from service.core.spec import RunSpec
 from service.core.status import RunStatus
 from service.storage.tables import Run
@@ -153,10 +153,9 @@ def test_a_tail_limit_with_too_few_units_is_decided_by_point_estimate_and_says_h
     metric, plan = "decode_p99_tpot_ms", plan_for(CEILING)
     max_ms = limit_of(metric)
     runs = probe_runs_of(4, 3)
-    looks: dict[str, Any] = {}
     look = take_look([trial(rng, 4, 0.0, k) for k in range(3)], [r.id for r in runs], metric, 4,
                      plan.per_look, max_ms, Drift(0.001, 4))
-    looks[look_key(1024, 4)] = look
+    looks = SearchLooks({probe_key(1024, 4): look})
     (context,) = assess([1024], max_ms, Bound(CEILING, "max_concurrency", ""), runs, looks, {},
                         trial_cap=plan.trial_cap)
     (view,) = probe_views(context, looks)
@@ -181,11 +180,11 @@ def test_trials_that_disagree_beyond_their_run_intervals_are_said_to_drift_and_g
         s.itl = [g * 1.3 for g in s.itl]
     runs = probe_runs_of(6, 2)
     look = take_look([fast, slow], [r.id for r in runs], metric, 6, plan.per_look, max_ms)
-    assert look["drifts"] and look["disagreement_p"] < 0.01
+    assert look.drifts and look.disagreement_p is not None and look.disagreement_p < 0.01
     probe = look_state(6, look)
     # Its interval carries that spread: no verdict on two runs that disagree so.
     assert probe.figure is not None and probe.figure.hi / probe.figure.lo > 1.3
-    looks = {look_key(1024, 6): look}
+    looks = SearchLooks({probe_key(1024, 6): look})
     (context,) = assess([1024], max_ms, Bound(CEILING, "max_concurrency", ""), runs, looks, {})
     views = probe_views(context, looks)
     assert any("disagree beyond their run intervals" in n for n in views[0]["notes"])
@@ -222,7 +221,8 @@ def test_the_first_look_with_no_drift_measured_has_no_interval_and_asks_for_a_tr
     rng = np.random.default_rng(3)
     look = take_look([trial(rng, 1, 0.0)], ["r1-0"], "decode_median_itl_ms", 1, 0.998,
                      limit_of("decode_median_itl_ms"))
-    assert look["figure"][1:] == [0.0, None] and look["drift_df"] == 0  # nothing bounds it above
+    # Nothing bounds it above.
+    assert look.figure is not None and look.figure[1:] == (0.0, None) and look.drift_df == 0
     probe = look_state(1, look)
     found = next_step({1: probe}, limit_of("decode_median_itl_ms"), (Bound(CEILING, "max_concurrency", ""),))
     assert found.queue == (1,)

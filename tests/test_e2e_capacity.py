@@ -68,15 +68,21 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
             assert run["status"] == "succeeded" and run["capacity_id"] == search_id
             assert (run["spec"]["max_concurrency"], run["spec"]["input_len"]) == (c, 1024)
             assert run["connector"]["filled_requests"] == run["spec"]["num_prompts"]
-    # A server's tokens per second are its streams' (each at the per-user rate), interval
-    # and all. (Not that four streams batched make more than one: on a CI machine of 2
-    # cores busy with 4 test workers, one run at 4 once made 403 against 462 at 1: how
-    # throughput grows with the batch is for a benchmark on a quiet machine to measure.)
+    # The decode rate a stream sees while it decodes (1 / its full-batch TPOT) against what
+    # its runs measured as a whole (each trial's output throughput, as vLLM's client counts
+    # it): a run's rate also waits for each request's first token, so it lies under the
+    # decode rate (16 tokens in TTFT + 15 TPOTs, at most 16/15 of it; 0.8 leaves room for
+    # a median TPOT against a mean). A per-user figure off by the concurrency fails here.
+    # (Not that four streams batched make more than one: on a CI machine of 2 cores busy
+    # with 4 test workers, one run at 4 once made 403 against 462 at 1: how throughput
+    # grows with the batch is for a benchmark on a quiet machine to measure.)
     for c, probe in probes.items():
         user, server = probe["tokens_per_s_per_user"], probe["tokens_per_s_per_server"]
         assert user["value"] > 0 and server["confidence"] == user["confidence"]
-        assert server["value"] == pytest.approx(c * user["value"])
-        assert server["ci"] == pytest.approx([c * end for end in user["ci"]])
+        measured = [service.get(f"/api/runs/{r}").json()["summary"]["output_throughput"]
+                    for r in probe["run_ids"]]
+        assert 0.8 * sum(measured) / len(measured) <= server["ci"][1], (c, measured, server)
+        assert 0.8 * probe["output_tokens_per_s_per_user"] <= user["ci"][1], (c, probe)
     ratio = context["decode_servers_per_prefill_server"]
     assert ratio["prefill_requests_per_s"] == pytest.approx(10)
     assert ratio["ratio_range"][0] <= ratio["ratio"] <= ratio["ratio_range"][1]

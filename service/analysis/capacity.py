@@ -302,6 +302,11 @@ class Step:
 AIM_POINTS = 3
 
 
+# A line rising less than this share of its figures over the concurrencies it was fitted to
+# does not rise (``line_boundary``).
+FLAT = 1e-6
+
+
 def line_boundary(probes: Mapping[int, Probe], max_ms: float) -> float | None:
     """Where the line a + b x C through the probes' typical figures meets the limit; None
     with fewer than two probes measured, or a line that does not rise.
@@ -335,7 +340,11 @@ def line_boundary(probes: Mapping[int, Probe], max_ms: float) -> float | None:
     except np.exceptions.RankWarning:
         # Weights spanning many orders (a look of one trial beside pooled ones): unweighted.
         slope, intercept = np.polyfit(x, y, 1)
-    if not (math.isfinite(slope) and math.isfinite(intercept)) or slope <= 0:
+    # A flat line fits a slope of rounding error (1e-15 of its height, either sign, by
+    # numpy's build): a rise under a millionth of the figures over the span probed is none.
+    span = float(x.max() - x.min())
+    if (not (math.isfinite(slope) and math.isfinite(intercept))
+            or slope * span <= FLAT * float(np.abs(y).max())):
         return None
     return float((max_ms / ratio - intercept) / slope)
 

@@ -10,7 +10,6 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
 
 from service.analysis.capacity import (
     TRIAL_CAP,
@@ -25,6 +24,7 @@ from service.analysis.capacity import (
 from service.analysis.intervals import CONFIDENCE, Interval
 from service.analysis.probe_units import Drift, drift_from_looks
 from service.analysis.roofline import step_growth
+from service.core.capacity_records import ProbeLook, SearchLooks
 from service.core.ids import utcnow
 from service.core.mode import Mode
 from service.core.sample import Sample
@@ -59,11 +59,6 @@ def server_bounds(runs: Iterable[Run], tokens_per_request: int) -> list[Bound]:
     return out
 
 
-def look_key(input_len: int, concurrency: int) -> str:
-    """Where a probe's latest look is kept in the search's ``looks``."""
-    return f"{input_len}:{concurrency}"
-
-
 @dataclass
 class ProbeRuns:
     """The runs of one probe, by trial."""
@@ -92,13 +87,13 @@ class ProbeRuns:
         """The KV arithmetic a trial was refused with, or None."""
         return next((reason for r in self.runs if (reason := refused_reason(r)) is not None), None)
 
-    def needs_look(self, looks: Mapping[str, Any]) -> bool:
+    def needs_look(self, looks: SearchLooks) -> bool:
         """Whether every trial has ended and the succeeded ones are not the latest look's."""
         if self.unfinished() or self.capped() is not None or self.refused() is not None:
             return False
-        ids = [r.id for r in self.succeeded()]
-        look = looks.get(look_key(self.input_len, self.concurrency))
-        return bool(ids) and (look is None or look.get("runs") != ids)
+        ids = tuple(r.id for r in self.succeeded())
+        look = looks.probe(self.input_len, self.concurrency)
+        return bool(ids) and (look is None or look.runs != ids)
 
 
 def probe_runs(runs: Iterable[Run]) -> dict[int, dict[int, ProbeRuns]]:
@@ -121,31 +116,29 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _stored(interval: Interval | None) -> tuple[float, float | None, float | None] | None:
+    return None if interval is None else (interval.value, _finite(interval.lo), _finite(interval.hi))
+
+
 def take_look(trials: Sequence[Sequence[Sample]], run_ids: Sequence[str], metric: str,
               concurrency: int, per_look: float, max_ms: float | None = None,
-              drift: Drift | None = None) -> dict[str, Any]:
-    """A probe's look over its succeeded trials, as the search stores it: the runs, the
+              drift: Drift | None = None) -> ProbeLook:
+    """A probe's look over its succeeded trials: the runs, the
     SLA figure (ms) with its interval at ``per_look`` (run-to-run ``drift`` pooled from the
     search's other looks carried in, ``probe_units.drift_from_looks``), a tail limit's
     attainment of ``max_ms``, what they rest on (units, trial levels, the drift, the
     method) and the per-stream decode rate (tokens/s) with its 95% interval. CPU work:
     called in a thread."""
     found = sla_figure(trials, metric, concurrency, per_look, max_ms, drift)
-    rate = per_user_rate(trials, concurrency)
-    look: dict[str, Any] = {
-        "runs": list(run_ids), "figure": None, "confidence": per_look,
-        "per_user": None if rate is None else [rate.value, rate.lo, rate.hi]}
+    look = ProbeLook(runs=tuple(run_ids), confidence=per_look,
+                     per_user=_stored(per_user_rate(trials, concurrency)))
     if found is None:
         return look
-    figure, share = found.figure, found.attainment
-    return {**look,
-            "figure": [figure.value, _finite(figure.lo), _finite(figure.hi)],
-            "method": found.method, "units": found.units,
-            "levels": list(found.levels), "within": list(found.within),
-            "drift_sd": _finite(found.sd), "drift_df": found.drift.df,
-            "disagreement_p": found.disagreement_p, "drifts": found.drifts,
-            "attainment": None if share is None else [share.value, share.lo, share.hi],
-            "target": found.target, "units_needed": found.needed}
+    return look.model_copy(update=dict(
+        figure=_stored(found.figure), method=found.method, units=found.units, levels=tuple(found.levels),
+        within=tuple(found.within), drift_sd=_finite(found.sd), drift_df=found.drift.df,
+        disagreement_p=found.disagreement_p, drifts=found.drifts, attainment=_stored(found.attainment),
+        target=found.target, units_needed=found.needed))
 
 
 @dataclass(frozen=True)
@@ -158,23 +151,23 @@ class LookDue:
     run_ids: Sequence[str]
 
 
-def take_looks(due: Sequence[LookDue], looks: Mapping[str, Any], metric: str, per_look: float,
-               max_ms: float) -> dict[str, Any]:
+def take_looks(due: Sequence[LookDue], looks: SearchLooks, metric: str, per_look: float,
+               max_ms: float) -> SearchLooks:
     """The search's looks with every probe in ``due`` looked at (``take_look``), each with
     the drift between runs pooled from every other look (``drift_from_looks``). Probes
     whose trials ended together are looked at twice: first for their trials' levels, then
     each with the others' new levels pooled in, so that no look depends on the order they
     are taken in (an aimed pair's second trials end together). CPU work: called in a thread."""
-    taken = dict(looks)
+    taken = looks.copy()
     for _ in range(2 if len(due) > 1 else 1):
         for probe in due:
-            taken[probe.key] = take_look(probe.trials, probe.run_ids, metric, probe.concurrency,
+            taken.probes[probe.key] = take_look(probe.trials, probe.run_ids, metric, probe.concurrency,
                                          per_look, max_ms, drift_from_looks(taken, leave_out=probe.key))
     return taken
 
 
 def stored_interval(stored: Sequence[float | None] | None, confidence: float) -> Interval | None:
-    """An interval as a look stores it ([value, lo, hi], an end nothing bounds as null)."""
+    """An interval as a look keeps it ((value, lo, hi), an end nothing bounds as None)."""
     if stored is None:
         return None
     value, lo, hi = stored
@@ -182,22 +175,19 @@ def stored_interval(stored: Sequence[float | None] | None, confidence: float) ->
                     math.inf if hi is None else float(hi), confidence)
 
 
-def look_state(concurrency: int, look: Mapping[str, Any]) -> Probe:
-    """What a probe's stored look says: its trials, figure, attainment and drift."""
-    confidence = float(look["confidence"])
-    levels = look.get("levels")
-    return Probe(concurrency=concurrency, trials=len(look["runs"]),
-                 figure=stored_interval(look.get("figure"), confidence),
-                 attainment=stored_interval(look.get("attainment"), confidence),
-                 target=look.get("target"), drifts=bool(look.get("drifts")),
-                 typical=1000.0 * math.exp(sum(levels) / len(levels)) if levels else None)
+def look_state(concurrency: int, look: ProbeLook) -> Probe:
+    """What a probe's look says: its trials, figure, attainment and drift."""
+    return Probe(concurrency=concurrency, trials=len(look.runs),
+                 figure=stored_interval(look.figure, look.confidence),
+                 attainment=stored_interval(look.attainment, look.confidence),
+                 target=look.target, drifts=look.drifts, typical=look.typical_ms)
 
 
-def probe_state(p: ProbeRuns, looks: Mapping[str, Any], cancelled_by_search: bool) -> Probe:
+def probe_state(p: ProbeRuns, looks: SearchLooks, cancelled_by_search: bool) -> Probe:
     """What the planner knows of a probe from its runs and its latest look."""
-    look = looks.get(look_key(p.input_len, p.concurrency))
-    ids = [r.id for r in p.succeeded()]
-    looked = look is not None and look.get("runs") == ids
+    look = looks.probe(p.input_len, p.concurrency)
+    ids = tuple(r.id for r in p.succeeded())
+    looked = look is not None and look.runs == ids
     failed = [r for r in p.runs if r.status == RunStatus.failed.value and refused_reason(r) is None]
     cancelled = next((r.id for r in p.runs if r.status == RunStatus.cancelled.value), None)
     capped = p.capped()
@@ -265,7 +255,7 @@ def _aware(t: datetime) -> datetime:
 
 
 def assess(input_lens: Sequence[int], max_ms: float, ceiling: Bound, runs: Sequence[Run],
-           looks: Mapping[str, Any], ended: Mapping[str, str], cancelled: bool = False,
+           looks: SearchLooks, ended: Mapping[str, str], cancelled: bool = False,
            trial_cap: int = TRIAL_CAP) -> list[Context]:
     """Every input length of a search: its probes, the planner's step over them, the runs
     it spent and its wall time. ``ended``: why input lengths stopped undecided, by length;
@@ -282,8 +272,8 @@ def assess(input_lens: Sequence[int], max_ms: float, ceiling: Bound, runs: Seque
         context = Context(length, step, [p for _, p in sorted(probes.items())], states, len(mine),
                           wall_s(mine, now), ended.get(str(length)))
         if step.last_pass and step.last_pass in probes:
-            look = looks.get(look_key(length, step.last_pass)) or {}
-            context.per_user = stored_interval(look.get("per_user"), CONFIDENCE)
+            look = looks.probe(length, step.last_pass)
+            context.per_user = stored_interval(None if look is None else look.per_user, CONFIDENCE)
             context.tpot_trials = boundary_tpots(probes[step.last_pass].runs, step.last_pass)
         out.append(context)
     return out

@@ -50,6 +50,7 @@ from scipy import stats
 
 from service.analysis.intervals import CONFIDENCE
 from service.core.capacity import MIN_RATE
+from service.core.capacity_records import PrefillPlan, RateLook, SearchLooks
 from service.core.mode import Mode
 from service.core.sample import Sample
 from service.core.status import FINISHED, RunStatus
@@ -94,11 +95,6 @@ def rounded(rate: float) -> float:
     return float(f"{rate:.{DIGITS}g}")
 
 
-def look_key(input_len: int, rate: float) -> str:
-    """Where the pooled look at a rate's runs is kept in the search's ``looks``."""
-    return f"prefill {input_len}@{rate:g}"
-
-
 def rate_plan(start_rate: float, max_rate: float, precision: float,
               trial_cap: int = RATE_TRIAL_CAP) -> dict[str, Any]:
     """The looks a prefill search plans before it starts, as stored with its plan: the
@@ -113,10 +109,10 @@ def rate_plan(start_rate: float, max_rate: float, precision: float,
             "method": "Bonferroni over the planned looks"}
 
 
-def per_look(prefill: Mapping[str, Any]) -> float:
+def per_look(prefill: PrefillPlan) -> float:
     """A stored prefill plan's per-look confidence (95% for a search planned before rates
     had planned looks)."""
-    return float(prefill.get("per_look_confidence", CONFIDENCE))
+    return CONFIDENCE if prefill.per_look_confidence is None else prefill.per_look_confidence
 
 
 @dataclass(frozen=True)
@@ -196,11 +192,7 @@ def _p99(run: Run) -> float | None:
     return float(p99) if isinstance(p99, int | float) else None
 
 
-def _triple(stored: Any) -> tuple[float, float, float] | None:
-    return None if stored is None else (float(stored[0]), float(stored[1]), float(stored[2]))
-
-
-def rate_probes(runs: Iterable[Run], input_len: int, looks: Mapping[str, Any],
+def rate_probes(runs: Iterable[Run], input_len: int, looks: SearchLooks,
                 legacy: bool = False) -> list[RateProbe]:
     """The rate probes of one input length, by rate, each from the look at its runs in
     ``looks`` (pending until it is taken). ``legacy``: a search stored before every rate
@@ -217,27 +209,25 @@ def rate_probes(runs: Iterable[Run], input_len: int, looks: Mapping[str, Any],
         if any(r.status not in FINISHED for r in at):
             out.append(RateProbe(rate, last.id, last.status, trials=len(at), run_ids=ids, pending=True))
             continue
-        look = looks.get(look_key(input_len, rate))
+        look = looks.rate(input_len, rate)
         if legacy and len(at) == 1:
             ci = (last.summary or {}).get("p99_ttft_ms_ci")
             out.append(RateProbe(rate, last.id, last.status, _p99(last),
                                  (float(ci[0]), float(ci[1])) if isinstance(ci, list) else None,
                                  run_ids=ids))
             continue
-        if look is None or look.get("runs") != list(ids) or look.get("figure") is None:
+        if look is None or look.runs != ids or look.figure is None:
             out.append(RateProbe(rate, last.id, last.status, trials=len(at), run_ids=ids,
-                                 pending=look is None or look.get("runs") != list(ids)))
+                                 pending=look is None or look.runs != ids))
             continue
-        value, lo, hi = look["figure"]
-        out.append(RateProbe(rate, last.id, last.status, float(value),
-                             (float(lo), None if hi is None else float(hi)), trials=len(at), run_ids=ids,
-                             climb_ms=_triple(look.get("climb_ms")), backlog=bool(look.get("backlog")),
-                             confidence=float(look.get("confidence", CONFIDENCE)),
-                             requests=int(look.get("effective_requests", look.get("requests", 0)))))
+        value, lo, hi = look.figure
+        out.append(RateProbe(rate, last.id, last.status, value, (lo or 0.0, hi), trials=len(at), run_ids=ids,
+                             climb_ms=look.climb_ms, backlog=look.backlog, confidence=look.confidence,
+                             requests=look.independent_requests))
     return out
 
 
-def looks_due(runs: Iterable[Run], input_len: int, looks: Mapping[str, Any]) -> list[tuple[float, list[str]]]:
+def looks_due(runs: Iterable[Run], input_len: int, looks: SearchLooks) -> list[tuple[float, list[str]]]:
     """The rates of one input length whose runs all succeeded since their last look:
     (rate, the runs' ids) each."""
     due = []
@@ -245,8 +235,8 @@ def looks_due(runs: Iterable[Run], input_len: int, looks: Mapping[str, Any]) -> 
         ids = [r.id for r in at]
         if any(_p99(r) is None for r in at):
             continue
-        look = looks.get(look_key(input_len, rate))
-        if look is None or look.get("runs") != ids:
+        look = looks.rate(input_len, rate)
+        if look is None or list(look.runs) != ids:
             due.append((rate, ids))
     return due
 
@@ -333,25 +323,25 @@ def climb(samples: Sequence[Sample]) -> tuple[float, float, float] | None:
 
 
 def take_look(samples: Sequence[Sequence[Sample]], run_ids: Sequence[str], max_ms: float,
-              confidence: float) -> dict[str, Any]:
-    """A rate's look over its runs, as kept in ``looks``: the p99 TTFT (ms) of their
+              confidence: float) -> RateLook:
+    """A rate's look over its runs: the p99 TTFT (ms) of their
     requests pooled with its exact interval at ``confidence``, the steepest climb of TTFT
     through one run (ms) with its 95% interval, and whether that climb is a backlog."""
     runs = [settled(np.array([s.ttft for s in sorted(trial, key=_sent) if s.success], dtype=np.float64))
             for trial in samples]
     values = np.concatenate(runs) if runs else np.array([], dtype=np.float64)
     effective = effective_count(runs)
-    figure: list[float | None] | None = None
+    figure: tuple[float, float | None, float | None] | None = None
     if values.size:
         lo, hi = quantile_bounds(values, Q, confidence, effective)
-        figure = [float(np.quantile(values, Q)) * 1000, lo * 1000, None if hi is None else hi * 1000]
+        figure = (float(np.quantile(values, Q)) * 1000, lo * 1000, None if hi is None else hi * 1000)
     climbs = [c for trial in samples if (c := climb(trial)) is not None]
     steepest = max(climbs, default=None)
     backlog = steepest is not None and steepest[1] > 0 and steepest[0] * 1000 > BACKLOG_SHARE * max_ms
-    return {"runs": list(run_ids), "confidence": confidence, "figure": figure,
-            "requests": int(values.size), "effective_requests": effective,
-            "climb_ms": None if steepest is None else [x * 1000 for x in steepest],
-            "backlog": backlog}
+    return RateLook(runs=tuple(run_ids), confidence=confidence, figure=figure, requests=int(values.size),
+                    effective_requests=effective, backlog=backlog,
+                    climb_ms=None if steepest is None else (steepest[0] * 1000, steepest[1] * 1000,
+                                                            steepest[2] * 1000))
 
 
 @dataclass(frozen=True)
@@ -464,19 +454,14 @@ def sure_bracket(probes: Sequence[RateProbe], max_ms: float) -> tuple[float, flo
     return bottom, top
 
 
-def plan_of(prefill: Mapping[str, Any]) -> tuple[float, float, float, float]:
-    """A stored prefill request's limit, start rate, max rate and precision."""
-    return (float(prefill["ttft_p99_max_ms"]), float(prefill["start_rate"]), float(prefill["max_rate"]),
-            float(prefill["precision"]))
-
-
-def step_of(runs: Iterable[Run], input_len: int, prefill: Mapping[str, Any],
-            looks: Mapping[str, Any]) -> tuple[list[RateProbe], RateStep]:
+def step_of(runs: Iterable[Run], input_len: int, prefill: PrefillPlan,
+            looks: SearchLooks) -> tuple[list[RateProbe], RateStep]:
     """The rate probes of one input length and the search's step over them, with the cap
     on its runs applied."""
-    max_ms, start, top, precision = plan_of(prefill)
-    probes = rate_probes(runs, input_len, looks, legacy="per_look_confidence" not in prefill)
-    step = replace(next_rate(probes, max_ms, start, top, precision), surely=sure_bracket(probes, max_ms))
+    max_ms = prefill.ttft_p99_max_ms
+    probes = rate_probes(runs, input_len, looks, legacy=prefill.legacy)
+    step = replace(next_rate(probes, max_ms, prefill.start_rate, prefill.max_rate, prefill.precision),
+                   surely=sure_bracket(probes, max_ms))
     if step.queue is not None and sum(len(p.run_ids) for p in probes) >= MAX_PREFILL_RUNS:
         step = _stop(step, f"{MAX_PREFILL_RUNS} prefill runs spent before the rate was bracketed")
     return probes, step

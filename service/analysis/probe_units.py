@@ -27,16 +27,15 @@ run to run was seen on a busy 2-core machine). So:
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from scipy import stats
 
 from service.analysis.intervals import Interval
 from service.analysis.steady_window import steady_masks
+from service.core.capacity_records import SearchLooks
 from service.core.sample import Sample
 
 # The statistic of each SLA metric: over which units (steps' ITL, waves' TPOT) and which quantile.
@@ -58,9 +57,6 @@ WITHIN_FLOOR = 1e-8
 # from the interquartile range (1.349 sigma), which tail steps barely move.
 MEDIAN_VARIANCE = math.pi / 2
 IQR_PER_SIGMA = 1.349
-
-# The key of a decode probe's look in a search's ``looks`` (``capacity.look_key``).
-DECODE_LOOK = re.compile(r"\d+:\d+")
 
 UNIT_NAMES = {"itl": "engine steps (the gaps at one token position of one wave)",
               "tpot": "waves (the C requests run together)"}
@@ -174,14 +170,13 @@ class Drift:
         return self.ss / self.df if self.df else math.nan
 
 
-def drift_from_looks(looks: Mapping[str, Any], leave_out: str | None = None) -> Drift:
-    """The drift pooled over a search's stored decode looks (keyed ``input_len:concurrency``,
-    with trial ``levels``), but the one at ``leave_out`` (the probe being looked at again)."""
+def drift_from_looks(looks: SearchLooks, leave_out: str | None = None) -> Drift:
+    """The drift pooled over a search's decode looks (their trials' ``levels``), but the one
+    at ``leave_out`` (the probe being looked at again)."""
     pooled = Drift()
-    for key, look in looks.items():
-        levels = look.get("levels") if isinstance(look, Mapping) else None
-        if key != leave_out and DECODE_LOOK.fullmatch(key) and isinstance(levels, list):
-            pooled = pooled.add([float(v) for v in levels])
+    for key, look in looks.probes.items():
+        if key != leave_out and look.levels:
+            pooled = pooled.add(look.levels)
     return pooled
 
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 from service.analysis import prefill_rate
-from service.analysis.capacity_runs import LookDue, assess, ceiling_bound, look_key, probe_runs, take_looks
+from service.analysis.capacity_runs import LookDue, assess, ceiling_bound, probe_runs, take_looks
+from service.core.capacity_records import PrefillPlan, SearchLooks, probe_key, rate_key
 from service.core.errors import NotFound
 from service.core.spec import describe
 from service.storage import capacity, measurements, store
@@ -86,30 +86,28 @@ def advance(engine: Engine, search_id: str) -> int:
     search, runs = capacity.get_search(engine, search_id)
     if search.status != capacity.ACTIVE:
         return 0
-    metric, max_ms = str(search.sla["metric"]), float(search.sla["max_ms"])
-    per_look = float(search.plan["per_look_confidence"])
-    looks = dict(search.looks)
+    sla, plan, looks = search.read_sla(), search.read_plan(), search.read_looks()
     due = []
     for probes in probe_runs(runs).values():
         for probe in probes.values():
             if probe.needs_look(looks):
                 trials = probe.succeeded()
-                due.append(LookDue(look_key(probe.input_len, probe.concurrency), probe.concurrency,
+                due.append(LookDue(probe_key(probe.input_len, probe.concurrency), probe.concurrency,
                                    [measurements.get_samples(engine, r.id) for r in trials],
                                    [r.id for r in trials]))
     # Drift between runs, pooled over the search's other probes (every input length: runs
     # drift as a whole), widens each probe's interval.
-    looks = take_looks(due, looks, metric, per_look, max_ms)
-    prefill = search.plan.get("prefill")
+    looks = take_looks(due, looks, sla.metric, plan.per_look_confidence, sla.max_ms)
+    prefill = plan.prefill
     if prefill is not None:
         for length in search.input_lens:
             for rate, ids in prefill_rate.looks_due(runs, length, looks):
                 samples = [measurements.get_samples(engine, run_id) for run_id in ids]
-                looks[prefill_rate.look_key(length, rate)] = prefill_rate.take_look(
-                    samples, ids, float(prefill["ttft_p99_max_ms"]), prefill_rate.per_look(prefill))
-    bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
-    contexts = assess(search.input_lens, max_ms, bound, runs, looks, search.ended,
-                      trial_cap=int(search.plan["trial_cap"]))
+                looks.rates[rate_key(length, rate)] = prefill_rate.take_look(
+                    samples, ids, prefill.ttft_p99_max_ms, prefill_rate.per_look(prefill))
+    bound = ceiling_bound(search.max_concurrency, plan.ceiling)
+    contexts = assess(search.input_lens, sla.max_ms, bound, runs, looks, search.ended,
+                      trial_cap=plan.trial_cap)
     ended = dict(search.ended)
     wanted: list[tuple[int, int]] = []
     left = search.max_runs - sum(not prefill_rate.is_prefill_run(r) for r in runs)
@@ -132,7 +130,7 @@ def advance(engine: Engine, search_id: str) -> int:
     if over:
         status = "failed" if ended else "succeeded"
         error = "; ".join(_why(k, why) for k, why in ended.items()) or None
-    added = capacity.advance(engine, search_id, looks, ended, wanted, status, error, rates)
+    added = capacity.advance(engine, search_id, looks.stored(), ended, wanted, status, error, rates)
     if added is None:
         return 0  # cancelled while this look was taken
     if added:
@@ -144,8 +142,8 @@ def advance(engine: Engine, search_id: str) -> int:
     return len(added)
 
 
-def _prefill_steps(prefill: Mapping[str, Any] | None, input_lens: Sequence[int], runs: Sequence[Run],
-                   looks: Mapping[str, Any], ended: dict[str, str]) -> tuple[list[tuple[int, float]], bool]:
+def _prefill_steps(prefill: PrefillPlan | None, input_lens: Sequence[int], runs: Sequence[Run],
+                   looks: SearchLooks, ended: dict[str, str]) -> tuple[list[tuple[int, float]], bool]:
     """The prefill runs the search asks for next, as (input length, rate), and whether a
     prefill search is still under way; records in ``ended`` the ones that stopped."""
     if prefill is None:

@@ -94,6 +94,10 @@ class PrefillSearch(Strict):
             raise ValueError(f"max_rate ({self.max_rate:g}) is below start_rate ({self.start_rate:g})")
         return self
 
+    def prompts_at(self, rate: float) -> int:
+        """Requests a run at ``rate`` sends (``rate_prompts``)."""
+        return rate_prompts(rate, self.duration_s, self.min_prompts)
+
 
 class CapacityCreate(Strict):
     """A capacity search: per input length, the largest concurrency whose SLA holds."""
@@ -150,7 +154,7 @@ class CapacityCreate(Strict):
             if self.prefill is not None:
                 try:
                     prefill_spec(self.base, input_len, self.prefill.start_rate,
-                                 rate_prompts(self.prefill.start_rate, self.prefill.model_dump()))
+                                 self.prefill.prompts_at(self.prefill.start_rate))
                 except ValueError as exc:
                     raise ValueError(f"prefill: input_len {input_len} makes no valid prefill run: "
                                      f"{exc}") from exc
@@ -189,14 +193,10 @@ def probe_spec(base: RunSpec | Mapping[str, Any], input_len: int, concurrency: i
     return RunSpec.stored(data) if stored else RunSpec.model_validate(data)
 
 
-def rate_prompts(rate: float, prefill: Mapping[str, Any]) -> int:
+def rate_prompts(rate: float, duration_s: float, min_prompts: int) -> int:
     """Requests a prefill rate's run sends: ``rate`` x ``duration_s``, at least
-    ``min_prompts`` (and at most a run's ``MAX_PROMPTS``). A search stored before runs had
-    a duration sent its fixed ``num_prompts`` at every rate."""
-    if "duration_s" not in prefill:
-        return int(prefill["num_prompts"])
-    wanted = math.ceil(rate * float(prefill["duration_s"]))
-    return min(MAX_PROMPTS, max(int(prefill["min_prompts"]), wanted))
+    ``min_prompts`` (and at most a run's ``MAX_PROMPTS``)."""
+    return min(MAX_PROMPTS, max(min_prompts, math.ceil(rate * duration_s)))
 
 
 def prefill_spec(base: RunSpec | Mapping[str, Any], input_len: int, rate: float, num_prompts: int,

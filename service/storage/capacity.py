@@ -20,8 +20,8 @@ from service.core.capacity import (
     CapacityCreate,
     prefill_spec,
     probe_spec,
-    rate_prompts,
 )
+from service.core.capacity_records import SearchPlan
 from service.core.errors import Conflict, NotFound, shown
 from service.core.ids import new_id, utcnow
 from service.core.mode import Mode
@@ -51,8 +51,10 @@ def _prefill_run(search: CapacitySearch, base: RunSpec | Mapping[str, Any], inpu
                  rate: float, earlier: Sequence[Run] = ()) -> Run:
     """The next real-prefill run at (``input_len``, ``rate`` requests/s), not yet stored;
     ``earlier``: the runs at that rate so far (its trials)."""
-    spec = prefill_spec(base, input_len, rate, rate_prompts(rate, search.plan["prefill"]), len(earlier),
-                        stored=True)
+    prefill = search.read_plan().prefill
+    if prefill is None:
+        raise ValueError(f"capacity search {search.id} measures no prefill rate: it has no prefill plan")
+    spec = prefill_spec(base, input_len, rate, prefill.prompts_at(rate), len(earlier), stored=True)
     data = spec.model_dump()
     return Run(id=new_id("r"), spec=data, model=spec.model, total=spec.prompt_budget(),
                capacity_id=search.id, point=point_key(data))
@@ -71,6 +73,8 @@ def create_search(engine: Engine, body: CapacityCreate, plan: Mapping[str, Any])
     if body.prefill is not None:
         # The request as asked, with the looks the caller planned for it (``plan["prefill"]``).
         plan["prefill"] = {**body.prefill.model_dump(), **(plan.get("prefill") or {})}
+    # Stored as it will be read back: a plan this version cannot read is never written.
+    plan = SearchPlan.read(plan).stored()
     search = CapacitySearch(id=new_id("c"), base=base, input_lens=list(body.input_lens),
                             sla=body.sla.model_dump(), max_concurrency=body.max_concurrency,
                             max_runs=body.runs_budget(), plan=plan)

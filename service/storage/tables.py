@@ -10,6 +10,8 @@ from sqlalchemy import JSON, Column, Index
 from sqlmodel import Field as SQLField
 from sqlmodel import SQLModel
 
+from service.core.capacity import Sla
+from service.core.capacity_records import SearchLooks, SearchPlan
 from service.core.ids import utcnow
 from service.core.status import RunStatus
 
@@ -96,11 +98,11 @@ class CapacitySearch(SQLModel, table=True):
     sla: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
     max_concurrency: int | None = None
     max_runs: int
-    # The plan fixed at its start (``capacity.Plan.as_dict``: ceiling, looks, confidence per
-    # look), and ``prefill_tokens_per_s`` when the search was asked to size decode servers.
+    # The plan fixed at its start (``capacity_records.SearchPlan``: ceiling, looks, confidence
+    # per look, the prefill side's), read by ``read_plan``.
     plan: dict[str, Any] = SQLField(sa_column=Column(JSON, nullable=False))
-    # Each probe's latest look at its interval, by ``capacity.look_key``; and why input
-    # lengths stopped undecided, by input length.
+    # Each probe's and prefill rate's latest look (``capacity_records.SearchLooks``), read by
+    # ``read_looks``; and why input lengths stopped undecided, by input length.
     looks: dict[str, Any] = SQLField(default_factory=dict, sa_column=Column(JSON, nullable=False))
     ended: dict[str, Any] = SQLField(default_factory=dict, sa_column=Column(JSON, nullable=False))
     # "active" until it ends "succeeded" (every input length decided), "failed" or "cancelled".
@@ -108,6 +110,21 @@ class CapacitySearch(SQLModel, table=True):
     error: str | None = None
     created_at: datetime = SQLField(default_factory=utcnow, index=True)
     finished_at: datetime | None = None
+
+    # Its JSON columns as typed records, validated on each read (a ValueError when this
+    # version cannot read them).
+
+    def read_sla(self) -> Sla:
+        """The latency limit as asked."""
+        return Sla.model_validate(self.sla, strict=False)
+
+    def read_plan(self) -> SearchPlan:
+        """The plan fixed at its start."""
+        return SearchPlan.read(self.plan)
+
+    def read_looks(self) -> SearchLooks:
+        """Every look it took so far."""
+        return SearchLooks.read(self.looks)
 
 
 class SampleRow(SQLModel, table=True):

@@ -15,7 +15,6 @@ from service.core.capacity import (
     PROBE_WAVES,
     CapacityCreate,
     probe_prompts,
-    rate_prompts,
 )
 from service.core.errors import Invalid
 from service.core.modelconfig import MaxLen
@@ -140,7 +139,7 @@ def check_search_size(request: Request, body: CapacityCreate) -> None:
                       f"{fix}, or raise the limit where the memory is there")
     if body.prefill is not None:
         asked_rate = body.prefill.max_rate
-        requests = rate_prompts(asked_rate, body.prefill.model_dump())
+        requests = body.prefill.prompts_at(asked_rate)
         if requests > limit:  # one output token each
             raise Invalid(f"the prefill run at max_rate {asked_rate:g}/s sends {requests:,} requests of one "
                           f"output token (for duration_s {body.prefill.duration_s:g}); "

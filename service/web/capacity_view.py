@@ -22,12 +22,12 @@ from service.analysis.capacity_runs import (
     ProbeRuns,
     assess,
     ceiling_bound,
-    look_key,
     stored_interval,
     wall_s,
 )
 from service.analysis.intervals import CONFIDENCE, Interval
 from service.analysis.sizing import ServersRatio, servers_ratio
+from service.core.capacity_records import ProbeLook, SearchLooks
 from service.core.ids import utcnow
 from service.core.provenance import hardware_line
 from service.core.shapes import is_shape, shape_of
@@ -64,8 +64,9 @@ def _statement(search: CapacitySearch, context: Context, decided: bool) -> str:
     """The answer in a sentence: the boundary, the range that holds it at the plan's
     confidence, and what a point estimate decided."""
     step = context.step
-    sla = f"{search.sla['metric']} <= {search.sla['max_ms']:g} ms"
-    confidence = float(search.plan["confidence"])
+    asked, plan = search.read_sla(), search.read_plan()
+    sla = f"{asked.metric} <= {asked.max_ms:g} ms"
+    confidence = plan.confidence
     low, high = step.surely
     where = f"[{low}, {high}]" if low != high else f"{low}"
     if not decided:
@@ -86,7 +87,7 @@ def _statement(search: CapacitySearch, context: Context, decided: bool) -> str:
     if step.by_point_estimate:
         points = ", ".join(map(str, step.by_point_estimate))
         sure += (f"; decided at {points} by the point estimate after "
-                 f"{search.plan['trial_cap']} trials (the interval straddled the limit)")
+                 f"{plan.trial_cap} trials (the interval straddled the limit)")
     if step.drifting:
         # Drift said where it was seen: the range already carries it (``probe_units``).
         sure += (f"; the trials at {', '.join(map(str, step.drifting))} disagree beyond their run "
@@ -178,11 +179,11 @@ PREFILL_METHOD = ("real-prefill runs of one output token at each rate, each last
 
 def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) -> PrefillPublic | None:
     """What the search measured of the prefill side at ``input_len``; None when it measures none."""
-    asked = search.plan.get("prefill")
+    asked = search.read_plan().prefill
     if asked is None:
         return None
-    max_ms = float(asked["ttft_p99_max_ms"])
-    probes, step = prefill_rate.step_of(runs, input_len, asked, search.looks)
+    max_ms = asked.ttft_p99_max_ms
+    probes, step = prefill_rate.step_of(runs, input_len, asked, search.read_looks())
     stopped = search.ended.get(prefill_rate.PREFILL_KEY.format(input_len))
     if step.done and step.error is None and stopped is None:
         state = "decided"
@@ -269,28 +270,28 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
         limited_by="sla" if step.first_fail is not None else step.bound.kind,
         limit_reason=(f"the probe at {step.first_fail} failed the SLA" if step.first_fail is not None
                       else step.bound.reason),
-        confidence=float(search.plan["confidence"]), boundary_range=list(step.surely),
+        confidence=search.read_plan().confidence, boundary_range=list(step.surely),
         at_least=decided and step.first_fail is None and step.bound.kind == "max_concurrency",
         decided_by_point_estimate=list(step.by_point_estimate),
         statement=_statement(search, context, decided),
-        probes=[_probe_public(view, by_id) for view in probe_views(context, search.looks)],
+        probes=[_probe_public(view, by_id) for view in probe_views(context, search.read_looks())],
         tokens_per_s_per_user=rate,
         tokens_per_s_per_server=_figure(per_user, step.last_pass) if step.last_pass else None,
         decode_servers_per_prefill_server=ratio, prefill=prefill,
         runs=context.runs, wall_s=context.wall_s, error=context.ended or step.error)
 
 
-def probe_views(context: Context, looks: Mapping[str, Any]) -> list[dict[str, Any]]:
+def probe_views(context: Context, looks: SearchLooks) -> list[dict[str, Any]]:
     """Every probe of an input length as the API lists it (``probe_view``), by concurrency."""
     return [probe_view(p, context.states[p.concurrency], context.step.judged.get(p.concurrency), looks)
             for p in context.probes]
 
 
 def probe_view(p: ProbeRuns, state: Probe, judgement: Judgement | None,
-               looks: Mapping[str, Any]) -> dict[str, Any]:
+               looks: SearchLooks) -> dict[str, Any]:
     """One probe as the API lists it: its verdict (or why it has none yet), its figure with
     the interval its latest look took, and what that look rests on."""
-    look = looks.get(look_key(p.input_len, p.concurrency))
+    look = looks.probe(p.input_len, p.concurrency)
     if state.capped is not None:
         verdict: str = CAPPED
     elif state.refused is not None:
@@ -302,11 +303,10 @@ def probe_view(p: ProbeRuns, state: Probe, judgement: Judgement | None,
     else:
         verdict = "failed" if state.failed else "not judged"
     figure = state.figure
-    if figure is None and look is not None and look.get("figure") is not None:
+    if figure is None and look is not None:
         # The latest look, while another trial runs.
-        figure = stored_interval(look["figure"], float(look["confidence"]))
+        figure = stored_interval(look.figure, look.confidence)
     bounded = figure is not None and math.isfinite(figure.lo) and math.isfinite(figure.hi)
-    seen: Mapping[str, Any] = look or {}
     decided_by = judgement.by if judgement is not None and state.pending == 0 else None
     return {
         "concurrency": p.concurrency,
@@ -320,33 +320,33 @@ def probe_view(p: ProbeRuns, state: Probe, judgement: Judgement | None,
         "decided_by": decided_by,
         "capped": state.capped,
         "refused": state.refused,
-        "per_user": seen.get("per_user"),
-        "method": seen.get("method"),
-        "units": seen.get("units"),
-        "attainment": seen.get("attainment"),
-        "attainment_target": seen.get("target"),
-        "units_needed": seen.get("units_needed"),
-        "notes": _notes(seen, decided_by, verdict),
+        "per_user": None if look is None or look.per_user is None else list(look.per_user),
+        "method": None if look is None else look.method,
+        "units": None if look is None else look.units,
+        "attainment": None if look is None or look.attainment is None else list(look.attainment),
+        "attainment_target": None if look is None else look.target,
+        "units_needed": None if look is None else look.units_needed,
+        "notes": [] if look is None else _notes(look, decided_by, verdict),
     }
 
 
-def _notes(look: Mapping[str, Any], decided_by: str | None, verdict: str) -> list[str]:
+def _notes(look: ProbeLook, decided_by: str | None, verdict: str) -> list[str]:
     """What a reader of a probe must know beside its figure: drift between its trials, an
     interval nothing bounds yet, a tail verdict too few units could decide."""
     notes = []
-    sd, p = look.get("drift_sd"), look.get("disagreement_p")
-    if look.get("drifts"):
-        notes.append(f"its trials disagree beyond their run intervals (p = {p:.2g}): runs drift; "
-                     f"the interval carries a spread between runs of {math.expm1(sd or 0.0):.0%} "
-                     "(pooled over the search's probes, and this one's)")
-    figure = look.get("figure")
-    if figure is not None and (figure[1] is None or figure[2] is None) and not look.get("drift_df"):
+    if look.drifts:
+        notes.append(f"its trials disagree beyond their run intervals (p = {look.disagreement_p or 0.0:.2g}"
+                     "): runs drift; the interval carries a spread between runs of "
+                     f"{math.expm1(look.drift_sd or 0.0):.0%} (pooled over the search's probes, and "
+                     "this one's)")
+    figure = look.figure
+    if figure is not None and (figure[1] is None or figure[2] is None) and not look.drift_df:
         notes.append("no interval yet: no probe has two trials to measure the drift between runs")
-    needed, units, target = look.get("units_needed"), look.get("units"), look.get("target")
+    needed, units, target = look.units_needed, look.units, look.target
     if needed is not None and units is not None and target is not None and (
             decided_by == BY_POINT or verdict == UNDECIDED):
         notes.append(f"{units} independent units; showing at least {target:.0%} of them meet the "
-                     f"limit at {float(look['confidence']):.2%} takes {needed} or more, all meeting "
+                     f"limit at {look.confidence:.2%} takes {needed} or more, all meeting "
                      f"it{': the verdict is by point estimate' if decided_by == BY_POINT else ''}")
     return notes
 
@@ -396,13 +396,13 @@ def capacity_public(engine: Engine, search_id: str,
     per prefill server at the prefill rate given here, else the search's own (given, or
     measured), if any."""
     search, runs = capacity.get_search(engine, search_id)
-    bound = ceiling_bound(search.max_concurrency, int(search.plan["ceiling"]))
-    prefill = prefill_tokens_per_s or search.plan.get("prefill_tokens_per_s")
     error, shown_on, warned, public = search.error, None, [], []
     try:
-        contexts = assess(search.input_lens, float(search.sla["max_ms"]), bound, runs, search.looks,
-                          search.ended, cancelled=search.status == "cancelled",
-                          trial_cap=int(search.plan["trial_cap"]))
+        plan = search.read_plan()
+        prefill = prefill_tokens_per_s or plan.prefill_tokens_per_s
+        contexts = assess(search.input_lens, search.read_sla().max_ms,
+                          ceiling_bound(search.max_concurrency, plan.ceiling), runs, search.read_looks(),
+                          search.ended, cancelled=search.status == "cancelled", trial_cap=plan.trial_cap)
         public = [context_public(search, c, runs, prefill) for c in contexts]
         shown_on, warned = ran_on(search.base, runs), caveats(runs)
     except (LookupError, TypeError, ValueError) as exc:
