@@ -77,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.intervals import CONFIDENCE, Interval, pooled_quantile_ci
+from service.analysis.intervals import CONFIDENCE, Interval
 from service.analysis.probe_units import Drift, ProbeFigure, probe_figure, units_of
 from service.analysis.steady_window import steady_gaps
 from service.core.capacity import FIRST_PROBE_TRIALS
@@ -170,13 +170,21 @@ def sla_figure(trials: Iterable[Sequence[Sample]], metric: str, concurrency: int
     return probe_figure(units_of(trials, concurrency, metric), metric, confidence, max_ms, drift)
 
 
-def per_user_rate(trials: Iterable[Sequence[Sample]], concurrency: int) -> Interval | None:
+def per_user_rate(trials: Iterable[Sequence[Sample]], concurrency: int,
+                  drift: Drift | None = None) -> Interval | None:
     """Decode output tokens/s of one stream at ``concurrency``: 1 / the median full-batch
-    TPOT, with the 95% bootstrap interval over requests turned over; None without one."""
-    tpot = pooled_quantile_ci(full_batch_values(trials, concurrency, "tpot"), 0.5)
-    if tpot is None or tpot.lo <= 0:
+    TPOT, with its 95% interval over the same independent units as a median TPOT limit's
+    figure (waves within a trial, the trial across runs, run-to-run ``drift`` pooled from the
+    search's other probes: ``sla_figure``), never a wave's requests as if independent; None
+    without a trial that has full-batch gaps, or while nothing bounds the interval (one
+    trial and no drift measured yet)."""
+    found = sla_figure(trials, "decode_median_tpot_ms", concurrency, CONFIDENCE, drift=drift)
+    if found is None:
         return None
-    return Interval(1.0 / tpot.value, 1.0 / tpot.hi, 1.0 / tpot.lo, tpot.confidence)
+    tpot = found.figure
+    if not (tpot.value > 0 and tpot.lo > 0 and math.isfinite(tpot.hi)):
+        return None
+    return Interval(1000 / tpot.value, 1000 / tpot.hi, 1000 / tpot.lo, tpot.confidence)
 
 
 # --- what a probe run says about the server --------------------------------------------

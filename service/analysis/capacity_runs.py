@@ -131,7 +131,7 @@ def take_look(trials: Sequence[Sequence[Sample]], run_ids: Sequence[str], metric
     called in a thread."""
     found = sla_figure(trials, metric, concurrency, per_look, max_ms, drift)
     look = ProbeLook(runs=tuple(run_ids), confidence=per_look,
-                     per_user=_stored(per_user_rate(trials, concurrency)))
+                     per_user=_stored(per_user_rate(trials, concurrency, drift)))
     if found is None:
         return look
     return look.model_copy(update=dict(
