@@ -79,7 +79,6 @@ import numpy as np
 
 from service.analysis.intervals import CONFIDENCE, Interval
 from service.analysis.probe_units import Drift, ProbeFigure, probe_figure, units_of
-from service.analysis.steady_window import steady_gaps
 from service.core.capacity import FIRST_PROBE_TRIALS
 from service.core.sample import Sample
 
@@ -146,18 +145,6 @@ def plan_for(ceiling: int, trial_cap: int = TRIAL_CAP) -> Plan:
 
 
 # --- figures of a probe ----------------------------------------------------------------
-
-
-def full_batch_values(trials: Iterable[Sequence[Sample]], concurrency: int, kind: str) -> list[np.ndarray]:
-    """Per request of every trial, in seconds: its gaps while all ``concurrency`` requests
-    of its run were decoding and none waited for its first token (``kind`` "itl"), or their
-    mean (its TPOT over that window, ``kind`` "tpot"); requests without such gaps left out."""
-    groups: list[np.ndarray] = []
-    for samples in trials:
-        for gaps in steady_gaps(samples, min_decoding=concurrency):
-            if gaps.size:
-                groups.append(gaps if kind == "itl" else np.array([gaps.mean()]))
-    return groups
 
 
 def sla_figure(trials: Iterable[Sequence[Sample]], metric: str, concurrency: int,
