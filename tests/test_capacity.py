@@ -157,7 +157,9 @@ def test_a_probe_the_server_capped_is_reported_capped_and_bounds_the_search(stub
     assert all(p["verdict"] == "capped" for c, p in probes.items() if c > 3)
     assert (context["max_concurrency"], context["first_failing"]) == (3, None)
     assert context["limited_by"] == "capped" and "the probe at 4 was capped" in context["limit_reason"]
-    assert context["decided"] and probes[3]["trials"] == 2
+    # The boundary probe gets two trials, three where they drifted apart (a CI run on a busy
+    # machine saw its trials disagree: ``next_step`` then takes every trial the cap allows).
+    assert context["decided"] and probes[3]["trials"] in (2, 3)
 
 
 def test_the_vllm_sweep_export_is_drawn_by_vllms_plot_pareto_without_the_capped_probe(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine
@@ -27,7 +28,8 @@ from service.analysis.capacity_runs import (
 )
 from service.analysis.intervals import CONFIDENCE, Interval
 from service.analysis.sizing import ServersRatio, servers_ratio
-from service.core.capacity_records import ProbeLook, SearchLooks
+from service.core.capacity import Sla
+from service.core.capacity_records import ProbeLook, SearchLooks, SearchPlan
 from service.core.ids import utcnow
 from service.core.provenance import hardware_line
 from service.core.shapes import is_shape, shape_of
@@ -46,6 +48,21 @@ from service.web.schemas import (
 )
 
 
+@dataclass(frozen=True)
+class Stored:
+    """A search with its limit, plan and looks, each read from its JSON once per view."""
+
+    search: CapacitySearch
+    sla: Sla
+    plan: SearchPlan
+    looks: SearchLooks
+
+    @classmethod
+    def read(cls, search: CapacitySearch) -> Stored:
+        """Read and validated (``CapacitySearch.read_sla`` and the others)."""
+        return cls(search, search.read_sla(), search.read_plan(), search.read_looks())
+
+
 def status_of(search: CapacitySearch, runs: Sequence[Run]) -> str:
     """``queued`` until a probe run has left the queue, then ``running``, then how it ended."""
     if search.status != capacity.ACTIVE:
@@ -60,13 +77,13 @@ def _figure(interval: Interval | None, scale: float = 1.0) -> Figure | None:
                   confidence=interval.confidence)
 
 
-def _statement(search: CapacitySearch, context: Context, decided: bool) -> str:
+def _statement(stored: Stored, context: Context, decided: bool) -> str:
     """The answer in a sentence: the boundary, the range that holds it at the plan's
     confidence, and what a point estimate decided."""
     step = context.step
-    asked, plan = search.read_sla(), search.read_plan()
+    asked = stored.sla
     sla = f"{asked.metric} <= {asked.max_ms:g} ms"
-    confidence = plan.confidence
+    confidence = stored.plan.confidence
     low, high = step.surely
     where = f"[{low}, {high}]" if low != high else f"{low}"
     if not decided:
@@ -87,7 +104,7 @@ def _statement(search: CapacitySearch, context: Context, decided: bool) -> str:
     if step.by_point_estimate:
         points = ", ".join(map(str, step.by_point_estimate))
         sure += (f"; decided at {points} by the point estimate after "
-                 f"{plan.trial_cap} trials (the interval straddled the limit)")
+                 f"{stored.plan.trial_cap} trials (the interval straddled the limit)")
     if step.drifting:
         # Drift said where it was seen: the range already carries it (``probe_units``).
         sure += (f"; the trials at {', '.join(map(str, step.drifting))} disagree beyond their run "
@@ -177,13 +194,13 @@ PREFILL_METHOD = ("real-prefill runs of one output token at each rate, each last
                   "doubling from the start rate to the first failure, then bisecting")
 
 
-def prefill_public(search: CapacitySearch, runs: Sequence[Run], input_len: int) -> PrefillPublic | None:
+def prefill_public(stored: Stored, runs: Sequence[Run], input_len: int) -> PrefillPublic | None:
     """What the search measured of the prefill side at ``input_len``; None when it measures none."""
-    asked = search.read_plan().prefill
+    search, asked = stored.search, stored.plan.prefill
     if asked is None:
         return None
     max_ms = asked.ttft_p99_max_ms
-    probes, step = prefill_rate.step_of(runs, input_len, asked, search.read_looks())
+    probes, step = prefill_rate.step_of(runs, input_len, asked, stored.looks)
     stopped = search.ended.get(prefill_rate.PREFILL_KEY.format(input_len))
     if step.done and step.error is None and stopped is None:
         state = "decided"
@@ -238,7 +255,7 @@ def _rate_view(probe: prefill_rate.RateProbe, max_ms: float) -> PrefillProbe:
                         verdict=verdict, decided_by=by)
 
 
-def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run] = (),
+def context_public(stored: Stored, context: Context, runs: Sequence[Run] = (),
                    prefill_tokens_per_s: float | None = None) -> CapacityContext:
     """One input length as the API shows it; with a prefill rate (given, or measured by the
     search), decode servers per prefill server at its boundary."""
@@ -248,7 +265,8 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
     per_user = context.per_user
     rate = _figure(per_user)
     by_id = {r.id: r for r in runs}
-    prefill = prefill_public(search, runs, context.input_len)
+    search = stored.search
+    prefill = prefill_public(stored, runs, context.input_len)
     ratio = None
     if context.tpot_trials:
         found = None
@@ -270,11 +288,11 @@ def context_public(search: CapacitySearch, context: Context, runs: Sequence[Run]
         limited_by="sla" if step.first_fail is not None else step.bound.kind,
         limit_reason=(f"the probe at {step.first_fail} failed the SLA" if step.first_fail is not None
                       else step.bound.reason),
-        confidence=search.read_plan().confidence, boundary_range=list(step.surely),
+        confidence=stored.plan.confidence, boundary_range=list(step.surely),
         at_least=decided and step.first_fail is None and step.bound.kind == "max_concurrency",
         decided_by_point_estimate=list(step.by_point_estimate),
-        statement=_statement(search, context, decided),
-        probes=[_probe_public(view, by_id) for view in probe_views(context, search.read_looks())],
+        statement=_statement(stored, context, decided),
+        probes=[_probe_public(view, by_id) for view in probe_views(context, stored.looks)],
         tokens_per_s_per_user=rate,
         tokens_per_s_per_server=_figure(per_user, step.last_pass) if step.last_pass else None,
         decode_servers_per_prefill_server=ratio, prefill=prefill,
@@ -398,12 +416,13 @@ def capacity_public(engine: Engine, search_id: str,
     search, runs = capacity.get_search(engine, search_id)
     error, shown_on, warned, public = search.error, None, [], []
     try:
-        plan = search.read_plan()
+        stored = Stored.read(search)
+        plan = stored.plan
         prefill = prefill_tokens_per_s or plan.prefill_tokens_per_s
-        contexts = assess(search.input_lens, search.read_sla().max_ms,
-                          ceiling_bound(search.max_concurrency, plan.ceiling), runs, search.read_looks(),
+        contexts = assess(search.input_lens, stored.sla.max_ms,
+                          ceiling_bound(search.max_concurrency, plan.ceiling), runs, stored.looks,
                           search.ended, cancelled=search.status == "cancelled", trial_cap=plan.trial_cap)
-        public = [context_public(search, c, runs, prefill) for c in contexts]
+        public = [context_public(stored, c, runs, prefill) for c in contexts]
         shown_on, warned = ran_on(search.base, runs), caveats(runs)
     except (LookupError, TypeError, ValueError) as exc:
         # A run or look this version cannot read (a stored spec that no longer validates): the
