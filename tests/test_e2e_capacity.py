@@ -51,12 +51,16 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
     assert context["limited_by"] == "max_concurrency" and context["boundary_range"] == [4, 4]
     probes = {p["concurrency"]: p for p in context["probes"]}
     # 1, then 4: aimed there from the first probe by the roofline the connector reported
-    # (where runs do not drift), or by doubling through 2.
+    # (drift or not), or by doubling through 2 where the prior did not aim.
     assert {1, 4} <= set(probes) <= {1, 2, 4}
-    assert all(p["verdict"] == "pass" and p["decided_by"] == "interval" for p in probes.values())
+    # Each probe passed by its interval; one under 4 may be left undecided, where the prior
+    # aimed from its two trials before their interval closed (a CI run saw it at 1): the
+    # pass at 4 makes its verdict moot.
+    passed = {c: p for c, p in probes.items() if (p["verdict"], p["decided_by"]) == ("pass", "interval")}
+    assert 4 in passed and all(p["verdict"] == "undecided" for c, p in probes.items() if c not in passed)
     assert probes[4]["trials"] >= 2  # the boundary's second trial
     assert probes[1]["trials"] >= 2  # the first probe's two, queued together
-    for p in probes.values():
+    for p in passed.values():
         assert 0 < p["ci_ms"][0] <= p["figure_ms"] <= p["ci_ms"][1] <= SLA_MS
     # Every run it counts is a probe run of this search that succeeded at its concurrency,
     # on the real server with the connector filling its requests.
@@ -75,8 +79,9 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
     # a median TPOT against a mean). A per-user figure off by the concurrency fails here.
     # (Not that four streams batched make more than one: on a CI machine of 2 cores busy
     # with 4 test workers, one run at 4 once made 403 against 462 at 1: how throughput
-    # grows with the batch is for a benchmark on a quiet machine to measure.)
-    for c, probe in probes.items():
+    # grows with the batch is for a benchmark on a quiet machine to measure.) Over the probes
+    # that passed: an undecided one's rate may be unbounded yet.
+    for c, probe in passed.items():
         user, server = probe["tokens_per_s_per_user"], probe["tokens_per_s_per_server"]
         assert user["value"] > 0 and server["confidence"] == user["confidence"]
         measured = [service.get(f"/api/runs/{r}").json()["summary"]["output_throughput"]
