@@ -330,6 +330,18 @@ def test_the_roofline_prior_aims_from_the_first_probe() -> None:
     assert found.first_fail == 5 and found.aimed_at is not None and found.aimed_at < 5
 
 
+def test_under_drift_a_flat_prior_aims_no_more_than_none() -> None:
+    # Two drifting probes on the stub's line (65 ms met at 5.5). A prior that meets the limit
+    # anchors the line: the pair 5 and 6. Without one, a line through drifting runs is a
+    # guess: only the upper, and only as it goes past doubling (to 4). A roofline that is
+    # known but flat (no KV bytes) meets no limit, so it anchors nothing either.
+    probes = {1: replace(decided(1, 20.0, trials=2), drifts=True), 2: replace(decided(2, 30.0), drifts=True)}
+    flat = roofline.step_growth({"weight_bytes": 1e9, "kv_bytes_per_token": 0}, 1536)
+    queues = {name: next_step(probes, LIMIT, (CEILING,), growth=growth).queue
+              for name, growth in (("prior", line_growth()), ("none", None), ("flat", flat))}
+    assert queues == {"prior": (5, 6), "none": (6,), "flat": (6,)}
+
+
 @pytest.mark.usefixtures("no_rate")
 def test_a_roofline_prior_spends_fewer_runs_where_it_is_right_and_keeps_the_coverage_where_not() -> None:
     # The same 480 searches with the roofline as the prior: exact (the stand-in's own line),

@@ -419,13 +419,16 @@ def aim(probes: Mapping[int, Probe], max_ms: float, last_pass: int, first_fail: 
     top = first_fail - 1 if first_fail is not None else bound.value
     if last_pass >= top:
         return None
+    # The prior anchors a line only where it meets the limit: a roofline known but flat (no
+    # bytes that grow with the batch) says no more of where the boundary is than none.
+    prior = prior_boundary(probes, max_ms, growth)
     estimate = line_boundary(probes, max_ms)
     if estimate is None:
         # Drift or not: the first probe's trials together are the best level known, and a
         # miss only costs runs (the verdicts stay their intervals'). On the lock-step
         # stand-in at 5% drift between runs, aiming from the prior there took 10.3 runs
         # against 15.2 without it, the range holding the truth in every search.
-        estimate = prior_boundary(probes, max_ms, growth)
+        estimate = prior
     if estimate is None or not last_pass <= estimate < (first_fail or math.inf):
         return None  # no line, or one that disagrees with the verdicts (drift makes those)
     if estimate >= top + 1 and first_fail is None and bound.kind in (CAPPED, REFUSED):
@@ -434,7 +437,7 @@ def aim(probes: Mapping[int, Probe], max_ms: float, last_pass: int, first_fail: 
         return None
     low = min(math.floor(estimate), top)
     pair = tuple(c for c in (low, low + 1) if last_pass < c <= top)
-    if growth is None and any(p.drifts for p in probes.values()):
+    if prior is None and any(p.drifts for p in probes.values()):
         # Runs drift and no prior put the probes near the boundary: a line through a few of
         # them, far from it, is a guess, and verdicts by point estimate would have it creep
         # by ones (on the stand-in at 20% drift, 2.5% of such searches ran past 32 runs). Up,
