@@ -3,12 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
+# GPU extra when an NVIDIA driver answers, CPU extra otherwise.
+EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+# The CPU build installs at the versions its suite last passed with (constraints-cpu.txt,
+# `make lock`); a GPU machine resolves the gpu extra's ranges against its own CUDA wheels.
+LOCK := $(if $(filter cpu,$(EXTRA)),constraints-cpu.txt)
 # This checkout installed editable. setuptools adds a notice to every editable install
 # ("be careful with folders named like the package"); pip shows it as a warning. It is
 # the point here (the service and its workers run this checkout), so that one is off.
-EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) install --quiet -e
-# GPU extra when an NVIDIA driver answers, CPU extra otherwise.
-EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) install --quiet $(if $(LOCK),-c $(LOCK)) -e
 
 # The suite starts hundreds of Python processes (services, stub servers, the CLI): with
 # PYTHONDONTWRITEBYTECODE set (some images set it) each compiles this checkout's modules
@@ -18,11 +21,11 @@ unexport PYTHONDONTWRITEBYTECODE
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-dev vllm-wheels browser compose-tool run test test-quick test-unit lint bench clean
+.PHONY: setup setup-dev vllm-wheels browser compose-tool run test test-quick test-unit lint bench clean lock
 
 setup: $(VENV)/.installed-$(EXTRA)
 
-$(VENV)/.installed-$(EXTRA): pyproject.toml
+$(VENV)/.installed-$(EXTRA): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(EDITABLE) '.[$(EXTRA)]'
@@ -32,7 +35,7 @@ $(VENV)/.installed-$(EXTRA): pyproject.toml
 
 setup-dev: setup $(VENV)/.installed-dev vllm-wheels
 
-$(VENV)/.installed-dev: pyproject.toml
+$(VENV)/.installed-dev: pyproject.toml $(LOCK)
 	$(EDITABLE) '.[$(EXTRA),dev,ray]'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
@@ -54,6 +57,12 @@ compose-tool:
 	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null 2>&1 || \
 		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q docker-compose; }
 
+# Writes constraints-cpu.txt from this venv (after a release was tried and `make test`
+# passed with it): its header kept, every installed package but this project and torch.
+lock: setup-dev
+	{ sed '/^#/!Q' constraints-cpu.txt; $(PIP) freeze --exclude-editable | grep -v '^torch=='; } > constraints-cpu.txt.new
+	mv constraints-cpu.txt.new constraints-cpu.txt
+
 run: setup
 	$(VENV)/bin/decodebench serve
 
@@ -63,7 +72,7 @@ lint: setup-dev
 
 # Workers (pytest-xdist): the real vLLM tests run one after another on one worker, the Ray
 # tests on another, every other file whole on the next free one (tests/conftest.py). On a
-# 2-core machine 4 workers take about 26 to 30 minutes (1,431 tests).
+# 2-core machine 4 workers take about 21 to 26 minutes (1,432 tests).
 TEST_WORKERS ?= 4
 QUICK_WORKERS ?= 6
 
