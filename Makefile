@@ -72,7 +72,7 @@ lint: setup-dev
 
 # Workers (pytest-xdist): the real vLLM tests run one after another on one worker, the Ray
 # tests on another, every other file whole on the next free one (tests/conftest.py). On a
-# 2-core machine 4 workers take about 21 to 26 minutes (1,432 tests).
+# 2-core machine 4 workers take about 21 to 26 minutes (1,434 tests).
 TEST_WORKERS ?= 4
 QUICK_WORKERS ?= 6
 
