@@ -269,9 +269,14 @@ def test_a_queue_in_the_server_is_found_without_scrapes_during_the_run(
         assert len(client.get(f"/api/runs/{run['id']}/server-metrics").json()["points"]) == 2
         queued = [w for w in done["warnings"] if w["code"] == "queued_in_server"]
         assert queued, done["warnings"]
-        # 2 run, 2 wait a whole request (40 tokens x 10 ms): about a third of a latency.
+        # 2 run, 2 wait a whole request S (40 tokens x 10 ms), and each pair sent as a pair
+        # ends waits S for the one before it: 6 of 8 wait S, 0.75 S against a mean latency of
+        # 1.75 S, 3/7 (0.43 measured, whether the service answers the stub's reports at once
+        # or 1 s late). The first pair's pull of the run's values lengthens the wait behind
+        # it, never past half; a client slow to send the next shortens it. 0.05 over the half
+        # for the requests' own jitter.
         assert "in the server's queue before it first scheduled them" in queued[0]["message"]
-        assert 0.15 <= queued[0]["figure"] <= 0.6
+        assert 0.15 <= queued[0]["figure"] <= 0.55
 
 
 def test_an_open_loop_that_waits_for_its_slot_has_no_client_lag(tmp_path: Path) -> None:
