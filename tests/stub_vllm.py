@@ -56,7 +56,8 @@ the cache holds not one token).
 Like a server with decodebench's connector, it pulls each tagged run's fill values
 from the service named in ``--kv-transfer-config`` and reports the run's
 counters back (a request of a ``fill`` run counts as filled, of a ``prefill`` run
-as prefilled); ``STUB_NO_CONNECTOR`` turns that off, as a server that cannot reach
+as prefilled), after each request ends and off its path, as the connector's report
+thread does (``Connector.soon``); ``STUB_NO_CONNECTOR`` turns that off, as a server that cannot reach
 the service would be. A stub registered after its start gets the config its
 registration answers through ``POST /stub/connector``. At its start (and when it is
 given a config) it reports its provenance as the connector does (``connector.provenance``):
