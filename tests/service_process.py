@@ -16,7 +16,7 @@ import httpx
 
 from service.control.procs import remove_rpc_dir
 from tests.conftest import API_TOKEN, AUTH, STUB_COMMAND, wait_answering
-from tests.ports import free_port
+from tests.ports import free_port, service_server_ports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,6 +104,11 @@ class ServiceProcess:
             "DECODEBENCH_WORKER_STOP_GRACE_S": "2",
             "DECODEBENCH_SCHEDULER_POLL_S": "0.1",
             "DECODEBENCH_API_TOKEN": API_TOKEN,
+            # Its servers' ports from this xdist worker's share, below the ephemeral range: a
+            # port the system chose was taken by some other process's outgoing connection
+            # between the choice and the stub's bind once in CI ("address already in use",
+            # a queued run failed in test_crash_recovery).
+            "DECODEBENCH_SERVER_PORTS": service_server_ports(),
             # Tests never reach the Hugging Face hub.
             "DECODEBENCH_HUB_CHECK": "cache",
             **(env or {}),
