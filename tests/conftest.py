@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.settings import Settings
-from tests.ports import free_port
+from tests.ports import free_port, service_server_ports
 
 TESTS = Path(__file__).resolve().parent
 STUB_COMMAND = f"{shlex.quote(sys.executable)} {shlex.quote(str(TESTS / 'stub_vllm.py'))}"
@@ -153,6 +153,10 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "api_token": API_TOKEN,
         # Tests never reach the Hugging Face hub: a repo id must be in the (test's) cache.
         "hub_check": "cache",
+        # Its servers' ports from a block of this worker's share, below the ephemeral range
+        # (tests/ports.py): a port the system chose can be taken by another process's outgoing
+        # connection before the server binds it.
+        "server_ports": service_server_ports(),
     }
     values.update(overrides)
     return Settings(**values)

@@ -9,8 +9,8 @@ before its own HTTP server ran, and refusing every request once the other test e
 
 So these ports come from below the system's ephemeral range (where binding port 0, and
 outgoing connections, never go), each xdist worker from a range of its own: the first
-``SERVER_SHARE`` ports for the servers a service starts (``DECODEBENCH_SERVER_PORTS``),
-the rest handed out one at a time by ``free_port``.
+``SERVER_SHARE`` ports for the servers services start (``DECODEBENCH_SERVER_PORTS``, one
+block of ``SERVICE_BLOCK`` per service), the rest handed out one at a time by ``free_port``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,17 @@ from service.control import procs
 
 PORTS_BASE = 20000
 PORTS_PER_WORKER = 1000
-SERVER_SHARE = 300
+SERVER_SHARE = 600
+# A service takes the first free port of its range for each server it starts, and the server
+# binds it only after its imports: two services choosing from one range at once (a test's own
+# beside the shared tiny one, or a service process beside an in-process one) could pick the
+# same port. So each service gets a block of the share of its own, in turn.
+SERVICE_BLOCK = 100
 # Where the next port is looked for, as an index into this worker's share: a random start,
 # so two runs of the suite at once (each "gw0" when not on xdist workers) do not walk the
 # range in step, each handing out the port the other just handed to a process still starting.
 _next = random.SystemRandom().randrange(PORTS_PER_WORKER - SERVER_SHARE)
+_next_block = random.SystemRandom().randrange(SERVER_SHARE // SERVICE_BLOCK)
 
 
 def _worker_ports() -> range:
@@ -40,9 +46,13 @@ def _worker_ports() -> range:
 
 
 def service_server_ports() -> str:
-    """``DECODEBENCH_SERVER_PORTS`` for a service of this worker that starts servers."""
-    low = _worker_ports().start
-    return f"{low}-{low + SERVER_SHARE - 1}"
+    """``DECODEBENCH_SERVER_PORTS`` for a new service of this worker: the next block of the
+    worker's server share, so a block comes again only after every other block has been given
+    to a service since (those are stopped by then: a test's services live one test or module)."""
+    global _next_block
+    low = _worker_ports().start + _next_block * SERVICE_BLOCK
+    _next_block = (_next_block + 1) % (SERVER_SHARE // SERVICE_BLOCK)
+    return f"{low}-{low + SERVICE_BLOCK - 1}"
 
 
 def free_port() -> int:

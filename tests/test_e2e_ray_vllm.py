@@ -49,8 +49,7 @@ def _texts(client: Any, run_id: str) -> list[str]:
 
 def _run_texts(tmp_path: Path, **settings: Any) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
     """A fill run on a real vLLM server: its generated texts, the run, and its server."""
-    with make_client(tmp_path, vllm_command=None, worker_start_timeout_s=300,
-                     server_ports=service_server_ports(), **settings) as client:
+    with make_client(tmp_path, vllm_command=None, worker_start_timeout_s=300, **settings) as client:
         run_id = client.post("/api/runs", json=SPEC).json()["id"]
         done = wait_finished(client, run_id, timeout=600)
         assert done["status"] == "succeeded", done["error"]
@@ -68,11 +67,12 @@ def _run_texts(tmp_path: Path, **settings: Any) -> tuple[list[str], dict[str, An
 
 def test_a_vllm_server_on_ray_generates_what_a_local_one_does(
         cluster: Cluster, real_tiny_service: httpx.Client, tmp_path: Path) -> None:
+    ports = service_server_ports()
     on_ray, run, worker = _run_texts(tmp_path / "ray", ray_address=cluster.address, ray_namespace=NAMESPACE,
-                                     ray_server_host="127.0.0.1", ray_server_cpus=1.0)
+                                     ray_server_host="127.0.0.1", ray_server_cpus=1.0, server_ports=ports)
     assert worker["backend"] == "ray" and worker["node"]["id"]
     # Its node's host gave it a port of the range the service was told (DECODEBENCH_SERVER_PORTS).
-    low, high = (int(p) for p in service_server_ports().split("-"))
+    low, high = (int(p) for p in ports.split("-"))
     assert low <= int(worker["url"].rsplit(":", 1)[1]) <= high, worker["url"]
     # The connector pulled this run's values from the service and reported what it filled.
     assert run["connector"]["pulls"] >= 1
