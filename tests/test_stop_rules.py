@@ -134,11 +134,13 @@ def test_fixed_count_run_records_its_interval(client: TestClient) -> None:
     assert stopped["itl_ci_ms"][0] <= stopped["median_itl_ms"] <= stopped["itl_ci_ms"][1]
 
 
-def test_sweep_points_stop_on_their_own(client: TestClient) -> None:
+def test_sweep_points_stop_on_their_own(stub_service: Callable[..., TestClient]) -> None:
+    # Tokens 20 ms apart, as in test_interval_rule_stops_before_the_budget (why: there).
+    client = stub_service({"STUB_TOKEN_INTERVAL_S": "0.02"})
     body = {"base": {**BASE, "num_prompts": 400, "stop": {"itl_ci_pct": 5}},
             "grid": {"input_len": [16, 48]}}
     sweep = client.post("/api/sweeps", json=body).json()
-    runs = [wait_finished(client, r["id"], timeout=60) for r in sweep["runs"]]
+    runs = [wait_finished(client, r["id"], timeout=120) for r in sweep["runs"]]
     for run in runs:
         assert run["status"] == "succeeded", run["error"]
         assert run["stopped_by"]["rule"] == "itl_ci"
