@@ -446,7 +446,11 @@ def test_capacity_page_draws_the_sla_curve_and_the_frontier_and_exports_its_prob
     assert [(int(r["input_len"]), int(r["concurrency"]), r["verdict"]) for r in rows] == [
         (8, 1, "pass"), (8, 2, "pass"), (8, 3, "fail"), (8, 4, "fail")][:judged]
     two = next(r for r in rows if r["concurrency"] == "2")
-    assert float(two["figure_ms_lo"]) <= float(two["figure_ms"]) <= float(two["figure_ms_hi"]) <= 35
+    assert float(two["figure_ms_lo"]) <= float(two["figure_ms"]) <= float(two["figure_ms_hi"])
+    assert float(two["figure_ms"]) <= 35
+    # Passed by its interval, then wholly under the limit; or, where a busy machine made its
+    # trials drift apart (see test_capacity), by its point estimate, and the row says so.
+    assert float(two["figure_ms_hi"]) <= 35 or two["decided_by"] == "point estimate", two
     assert two["context_max_concurrency"] == "2" and two["run_ids"].split() == context["probes"][1]["run_ids"]
     as_json = client.get(f"/api/capacity/{search_id}/export", params={"format": "json"}).json()
     assert as_json["rows"] == [{k: (None if v == "" else v) for k, v in r.items()} for r in
