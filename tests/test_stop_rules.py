@@ -3,6 +3,7 @@ time box, or at its request budget, and says which (against the stub vLLM server
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -11,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from service.analysis.intervals import pooled_median_ci
 from service.analysis.stopping import itl_rule_met
+from service.control import runner
 from service.core.sample import Sample
 from service.core.spec import RunSpec
 from tests.conftest import wait_finished
@@ -148,3 +150,23 @@ def test_sweep_points_stop_on_their_own(stub_service: Callable[..., TestClient])
     page = client.get(f"/sweeps/{sweep['id']}").text
     for run in runs:
         assert f"{run['stopped_by']['requests']} (itl_ci)" in page
+
+
+def test_a_checks_cost_is_its_cpu_time_not_its_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runner waits STOP_CHECK_SHARE times a check's cost before the next one. A check
+    # that waits (here asleep, as a thread waiting for a core on a busy machine) spends no
+    # CPU, and its waiting does not space the checks out.
+    def slow_rule(spec: RunSpec, samples: list[Sample]) -> None:
+        time.sleep(0.3)
+        return None
+    monkeypatch.setattr(runner, "itl_rule_met", slow_rule)
+    spec = RunSpec.model_validate({**BASE, "stop": {"itl_ci_pct": 5}})
+    began = time.perf_counter()
+    interval, cost_s = runner._rule_and_cost(spec, _samples(20, 0.002, 0.1))
+    assert interval is None and time.perf_counter() - began >= 0.3
+    assert 0 <= cost_s < 0.1, cost_s
+    # A check that computes is charged what it computed.
+    spec = RunSpec.model_validate({**BASE, "num_prompts": 400, "stop": {"itl_ci_pct": 1e-6}})
+    monkeypatch.undo()
+    interval, cost_s = runner._rule_and_cost(spec, _samples(400, 0.002, 0.5, seed=11))
+    assert interval is None and cost_s > 0

@@ -31,6 +31,7 @@ from service.analysis.checks import (
     infeasible,
     server_warnings,
 )
+from service.analysis.intervals import Interval
 from service.analysis.metrics import summarize
 from service.analysis.neutrality import fill_neutrality, fill_not_neutral
 from service.analysis.roofline import roofline
@@ -70,9 +71,18 @@ REPORT_WAIT_S = 3.0
 STEPS_WAIT_S = 15.0
 # A stop rule's interval is checked this often at most, and never more often than every
 # STOP_CHECK_SHARE-th of the time (the check's own cost makes it wait longer on a big
-# run, so it never takes more than a few percent of a core from the measurement).
+# run, so it never takes more than a few percent of a core from the measurement). The cost
+# is the CPU time the check took: on a busy machine its wall time also counts the waits for
+# a core (twice its CPU time in a CI run), which would space the checks out for nothing.
 STOP_CHECK_S = 1.0
 STOP_CHECK_SHARE = 20
+
+
+def _rule_and_cost(spec: RunSpec, samples: list[Sample]) -> tuple[Interval | None, float]:
+    """``itl_rule_met`` and the CPU time it took this thread (seconds)."""
+    began = time.thread_time()
+    interval = itl_rule_met(spec, samples)
+    return interval, time.thread_time() - began
 
 
 def too_long(spec: RunSpec, handle: WorkerHandle) -> str | None:
@@ -448,12 +458,11 @@ class Runner:
             if len(self.samples) == checked:
                 continue
             checked = len(self.samples)
-            began = time.perf_counter()
-            interval = await asyncio.to_thread(itl_rule_met, self.spec, list(self.samples))
+            interval, cost_s = await asyncio.to_thread(_rule_and_cost, self.spec, list(self.samples))
             if interval is not None:
                 await drivers.stop_sending(ITL_CI)
                 return
-            await asyncio.sleep((time.perf_counter() - began) * STOP_CHECK_SHARE)
+            await asyncio.sleep(cost_s * STOP_CHECK_SHARE)
 
     async def _measure(self, handle: WorkerHandle) -> tuple[float, int, str | None]:
         """Drive the load from driver processes while watching the worker; return the
