@@ -30,7 +30,8 @@ def _run_and_log(tmp_path: Path, env: dict[str, str] | None = None) -> list[tupl
                 if c.get(f"/api/runs/{run_id}").json()["status"] in ("succeeded", "failed"):
                     break
                 subprocess.run(["sleep", "0.1"], check=True)
-            assert c.get(f"/api/runs/{run_id}").json()["status"] == "succeeded"
+            run = c.get(f"/api/runs/{run_id}").json()
+            assert run["status"] == "succeeded", (run["error"], service.log()[-4000:])
         # A connector call with a token no server has: refused, and that is logged.
         refused = httpx.post(f"{service.url}/api/connector/report", json={},
                              headers={"Authorization": "Bearer not-a-worker-token"}, timeout=10)

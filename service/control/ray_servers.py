@@ -208,8 +208,10 @@ class RayServers:
         self.client = client
         self.tokens: dict[str, str] = {}
         self._procs: dict[str, RayProcess] = {}
-        # Ports chosen for servers that may not hold them yet (``_start``).
+        # Ports chosen for servers that may not hold them yet (``_start``), and the lock that
+        # makes a choice and its reservation one step: the choice is asked of a node, an await.
         self._reserved: set[int] = set()
+        self._choosing = asyncio.Lock()
         self._nodes: list[dict[str, Any]] = []
         self._watcher: asyncio.Task[None] | None = None
         connect(settings)
@@ -314,8 +316,11 @@ class RayServers:
         # more of the range than needed is harmless).
         ports = self.settings.server_port_range
         chosen = None if ports is None else (ports.start, ports.stop - 1)
-        port = int(await self._ask(actor.free_port.remote(host, chosen, sorted(taken | self._reserved))))
-        self._reserved.add(port)
+        # Two starts at once (a sweep's servers, one per GPU) would otherwise both be told the
+        # range's first free port, and the second server's bind fail ("address already in use").
+        async with self._choosing:
+            port = int(await self._ask(actor.free_port.remote(host, chosen, sorted(taken | self._reserved))))
+            self._reserved.add(port)
         try:
             await self._start_on(spec, handle, process, token, on_gpu, where, host, port, deadline)
         finally:
