@@ -81,8 +81,15 @@ def test_a_small_search_on_the_tiny_model_finds_the_asked_bound_with_runs_that_e
     # with 4 test workers, one run at 4 once made 403 against 462 at 1: how throughput
     # grows with the batch is for a benchmark on a quiet machine to measure.) Over the probes
     # that passed: an undecided one's rate may be unbounded yet.
+    # A rate nothing bounds yet is null: a fresh-clone CI run's trials at 4 drifted apart
+    # (median ITLs of 2.0, 5.5 and 2.7 ms) and their 9 full-batch waves left the TPOT
+    # interval [0, inf). The probe at 1 rests on every request (a wave each): always bounded.
+    assert probes[1]["tokens_per_s_per_user"] is not None, probes[1]
     for c, probe in passed.items():
         user, server = probe["tokens_per_s_per_user"], probe["tokens_per_s_per_server"]
+        if user is None:
+            assert server is None, probe
+            continue
         assert user["value"] > 0 and server["confidence"] == user["confidence"]
         measured = [service.get(f"/api/runs/{r}").json()["summary"]["output_throughput"]
                     for r in probe["run_ids"]]

@@ -317,7 +317,8 @@ class CapacityProbe(BaseModel):
     refused: str | None
     # Decode output tokens/s of one stream while it decodes (1 / the median full-batch TPOT)
     # and of the server (times ``concurrency``) at its latest look, 95% intervals: the
-    # frontier's points, and what a planner sizes by.
+    # frontier's points, and what a planner sizes by. Null while nothing bounds the interval
+    # (few full-batch waves, trials that drift apart).
     tokens_per_s_per_user: Figure | None = None
     tokens_per_s_per_server: Figure | None = None
     # Output tokens/s over the whole run divided by ``concurrency`` (mean over its succeeded
