@@ -29,7 +29,7 @@ MAX_FIRST_POINTS = 500
 def get_steps(
     run_id: str,
     engine: DB,
-    confidence: Annotated[float, Query(ge=0.5, lt=1.0)] = CONFIDENCE,
+    confidence: Annotated[float, Query(ge=0.5, le=0.9999)] = CONFIDENCE,
 ) -> StepModelPublic:
     """The run's step model: forward time = fixed + per KV token + per request, fitted to its
     decode steps with HAC intervals (95%, or ``confidence``); first steps' ratio to it and
