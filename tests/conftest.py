@@ -153,12 +153,13 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "api_token": API_TOKEN,
         # Tests never reach the Hugging Face hub: a repo id must be in the (test's) cache.
         "hub_check": "cache",
+    }
+    values.update(overrides)
+    if "server_ports" not in overrides:
         # Its servers' ports from a block of this worker's share, below the ephemeral range
         # (tests/ports.py): a port the system chose can be taken by another process's outgoing
         # connection before the server binds it.
-        "server_ports": service_server_ports(),
-    }
-    values.update(overrides)
+        values["server_ports"] = service_server_ports()
     return Settings(**values)
 
 

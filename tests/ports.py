@@ -55,7 +55,8 @@ def _worker_ports() -> range:
 def service_server_ports() -> str:
     """``DECODEBENCH_SERVER_PORTS`` for a new service of this worker: the next block of the
     worker's server share, so a block comes again only after every other block has been given
-    to a service since (those are stopped by then: a test's services live one test or module)."""
+    to a service since (most live one test or module; a long-lived one's servers hold their
+    ports, which the first-free choice then passes over)."""
     global _next_block
     low = _worker_ports().start + _next_block * SERVICE_BLOCK
     _next_block = (_next_block + 1) % (SERVER_SHARE // SERVICE_BLOCK)
