@@ -7,6 +7,7 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,11 @@ BASE = {"input_len": 16, "output_len": 6, "num_prompts": 4, "max_concurrency": 2
 KEYS = ("decode_median_itl_ms", "decode_median_tpot_ms")
 
 
-def test_a_sweep_over_mode_runs_each_pair_back_to_back(client: TestClient) -> None:
+def test_a_sweep_over_mode_runs_each_pair_back_to_back(stub_service: Callable[..., TestClient]) -> None:
+    # A token every 20 ms, not the stub's 2 ms: on a busy CI machine the client once read a
+    # 2 ms stream's last five tokens in one read, so that prefill run's decode median ITL was
+    # 0 ms and its pair had no ratio to check.
+    client = stub_service({"STUB_TOKEN_INTERVAL_S": "0.02"})
     # Mode first in the grid: the grid's own order would queue both fill points first.
     body = {"base": {**BASE, "seed": 7}, "grid": {"mode": ["fill", "prefill"], "input_len": [8, 16]},
             "repeats": 2}
