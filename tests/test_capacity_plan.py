@@ -285,6 +285,21 @@ def test_decode_servers_per_prefill_server_is_p_over_d_from_the_mean_tpot_over_t
     assert open_top is not None and open_top.ratio_range[1] is None
     assert open_top.sentence() == ("1 decode server per prefill server (at least 1 decode server per "
                                    f"{1 / open_top.ratio_range[0]:.3g} prefill servers)")
+    # A boundary range from 0 (every passing probe passed by its point estimate) makes D's
+    # bottom 0, so the top is open; with a sure prefill range from 0 too, neither end holds.
+    # A fresh-clone CI run met this on a busy machine and its sentence read "at least no
+    # decode server".
+    from_zero = servers_ratio(1_000, 1000, 100, 2, [0.045, 0.050, 0.055], (0, 2), 1_100, measured=True,
+                              prefill_range=(0.0, 1_500))
+    assert from_zero is not None and from_zero.decode_requests_per_s_range[0] == 0
+    assert from_zero.ratio_range == (0.0, None)
+    assert from_zero.sentence() == (f"{planner_words(from_zero.ratio)} (its range is unbounded: no verdict "
+                                    "with a confidence bounds it)")
+    at_most = servers_ratio(1_000, 1000, 100, 5, [0.045, 0.050, 0.055], (4, 6), 1_100, measured=True,
+                            prefill_range=(0.0, 1_500))
+    assert at_most is not None and at_most.ratio_range[0] == 0
+    assert at_most.ratio_range[1] == pytest.approx(1.5 / at_most.decode_requests_per_s_range[0])
+    assert at_most.sentence().endswith(f"(at most {planner_words(at_most.ratio_range[1])})")
     # No boundary (nothing passed) or no TPOT: no ratio.
     assert servers_ratio(10_000, 1000, 100, 0, [0.05]) is None
     assert servers_ratio(10_000, 1000, 100, 5, []) is None

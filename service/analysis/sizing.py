@@ -58,10 +58,16 @@ class ServersRatio:
 
     def sentence(self) -> str:
         """The answer in a planner's words: '1 decode server per 16 prefill servers
-        (between 1 per 20 and 1 per 12)'."""
+        (between 1 per 20 and 1 per 12)'; "at least" or "at most" where one end is open or
+        0, and "its range is unbounded" where both are (no verdict with a confidence on
+        either side: a C_max range from 0 makes D's bottom 0 and the top open)."""
         lo, hi = self.ratio_range
-        between = (f"at least {planner_words(lo)}" if hi is None
-                   else f"between {planner_words(lo)} and {planner_words(hi)}")
+        if hi is None:
+            between = ("its range is unbounded: no verdict with a confidence bounds it" if lo <= 0
+                       else f"at least {planner_words(lo)}")
+        else:
+            between = (f"at most {planner_words(hi)}" if lo <= 0
+                       else f"between {planner_words(lo)} and {planner_words(hi)}")
         return f"{planner_words(self.ratio)} ({between})"
 
 
