@@ -14,6 +14,7 @@ ends it at once, since asking again would not change it. Untagged requests
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 import logging
 import math
@@ -183,8 +184,8 @@ class ParamsClient:
             exc.close()
             raise PullError(f"HTTP {exc.code} {detail}".strip(),
                             final=exc.code in FINAL_STATUSES) from exc
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise PullError(str(exc)) from exc
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+            raise PullError(str(exc) or type(exc).__name__) from exc
         return parse_answer(body)
 
     def close(self) -> None:

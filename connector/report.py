@@ -18,6 +18,7 @@ service has it (a refusal, 4xx, is not retried: the next report would be refused
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import threading
@@ -167,6 +168,9 @@ class Reporter:
             self.flush()
 
     def _post(self, url: str, payload: dict[str, Any]) -> None:
+        # Raises what urllib does; the callers take an answer that is not HTTP at all
+        # (``http.client.HTTPException``: another program on the service's old port) as a
+        # failure to send again, so the report thread outlives it.
         request = urllib.request.Request(
             url,
             data=json.dumps(payload).encode(),
@@ -190,7 +194,7 @@ class Reporter:
                     self._provenance = None
                 return True
             return False
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
             return False
         with self._lock:
             if self._provenance is report:
@@ -236,7 +240,7 @@ class Reporter:
                 return sent_provenance
             self._resend(runs, steps, url, exc)
             return False
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
             self._resend(runs, steps, url, exc)
             return False
 

@@ -20,14 +20,23 @@ class Control:
 
     def __init__(self) -> None:
         self.status = 403
+        # Answer with bytes that are not HTTP instead (a gRPC server's first frame), as a
+        # program that took the service's old port does.
+        self.garbage = False
         self.posts = 0
         self.bodies: list[dict[str, Any]] = []
+        self.paths: list[str] = []
         control = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 control.posts += 1
+                if control.garbage:
+                    self.wfile.write(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x05\x00\x00@\x00\r\n")
+                    self.close_connection = True
+                    return
+                control.paths.append(self.path)
                 if control.status < 300:
                     control.bodies.append(json.loads(body))
                 self.send_response(control.status)
@@ -104,5 +113,32 @@ def test_timed_steps_reach_the_service_once_each_in_order_after_a_failure(contro
         largest = max(len(b.get("steps", {}).get("r-a", [])) for b in control.bodies)
         assert largest <= report.MAX_STEPS_PER_REPORT
         assert control.bodies[-1]["runs"]["r-a"]["steps_timed"] == total
+    finally:
+        reporter.close()
+
+
+def test_an_answer_that_is_not_http_is_sent_again_and_the_report_thread_lives_on(
+        control: Control) -> None:
+    # A fresh-clone CI run: the service a server reported to had stopped and a Ray process
+    # took its port; the report thread died on the bad status line, and a vLLM server's
+    # connector would have reported nothing more for its life.
+    control.garbage = True
+    reporter = Reporter(control.url, "token", "worker", 0, interval_s=0.02)
+    try:
+        reporter.provenance({"connector": "decodebench"})
+        reporter.add("r-1", requests_seen=1)
+        deadline = time.monotonic() + 10
+        while control.posts < 5:
+            assert time.monotonic() < deadline, control.posts
+            time.sleep(0.02)
+        assert reporter._thread is not None and reporter._thread.is_alive()
+        assert control.bodies == []
+        control.status, control.garbage = 204, False
+        while "/api/connector/report" not in control.paths:
+            assert time.monotonic() < deadline, control.paths
+            time.sleep(0.02)
+        assert "/api/connector/provenance" in control.paths
+        (report,) = [b for b in control.bodies if "runs" in b]
+        assert report["runs"]["r-1"]["requests_seen"] == 1
     finally:
         reporter.close()
