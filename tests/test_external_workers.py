@@ -198,9 +198,12 @@ def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
     port = free_port()
     silent = Silent(port)
     registered = _register(client, f"http://127.0.0.1:{port}")
-    down = _worker(client, registered["id"], "unavailable", error="no answer")
+    _worker(client, registered["id"], "unavailable", error="no answer")
     index = client.get("/").text
-    assert registered["id"] in index and "registered" in index and down["error"] in index
+    # The cause after "no answer from <url>:" is the probe's own and can change from one round
+    # to the next (the port closes each connection, before or after the request arrives).
+    assert registered["id"] in index and "registered" in index
+    assert f"no answer from http://127.0.0.1:{port}: " in index
     run_id = client.post("/api/runs", json=SMALL).json()["id"]
     probed = silent.connections
     # The scheduler went over it: a local run queued after it (runs are taken oldest first)
