@@ -4,11 +4,13 @@ in its own process standing in for a server on another host."""
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import threading
@@ -108,9 +110,12 @@ def _worker(client: TestClient, worker_id: str, status: str, timeout: float = 20
 
 class Silent:
     """A port that takes connections and closes them unanswered, as a server that does not
-    answer, and counts them: each probe of the service is one."""
+    answer, and counts them: each probe of the service is one. ``close`` is when and how:
+    "at once" (whether the request's bytes came first is a race), "after the request" (a
+    clean end of stream) or "reset after the request" (the client reads a reset)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, close: str = "at once") -> None:
+        self.how = close
         self.sock = socket.create_server(("127.0.0.1", port))
         self.sock.settimeout(0.05)
         self.connections = 0
@@ -124,6 +129,12 @@ class Silent:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
+            if self.how != "at once":
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)
+            if self.how == "reset after the request":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             conn.close()
             self.connections += 1
 
@@ -198,12 +209,10 @@ def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
     port = free_port()
     silent = Silent(port)
     registered = _register(client, f"http://127.0.0.1:{port}")
-    _worker(client, registered["id"], "unavailable", error="no answer")
+    error = _worker(client, registered["id"], "unavailable", error="no answer")["error"]
+    assert error == f"no answer from http://127.0.0.1:{port}: it closed the connection without answering"
     index = client.get("/").text
-    # The cause after "no answer from <url>:" is the probe's own and can change from one round
-    # to the next (the port closes each connection, before or after the request arrives).
-    assert registered["id"] in index and "registered" in index
-    assert f"no answer from http://127.0.0.1:{port}: " in index
+    assert registered["id"] in index and "registered" in index and html.escape(error) in index
     run_id = client.post("/api/runs", json=SMALL).json()["id"]
     probed = silent.connections
     # The scheduler went over it: a local run queued after it (runs are taken oldest first)
@@ -212,6 +221,7 @@ def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
     assert wait_finished(client, local)["status"] == "succeeded"
     silent.wait_connections(probed + 3)
     assert client.get(f"/api/runs/{run_id}").json()["status"] == "queued"
+    assert client.get(f"/api/workers/{registered['id']}").json()["error"] == error  # round after round
 
     silent.close()
     remotes(port)
@@ -219,6 +229,28 @@ def test_unreachable_server_is_unavailable_and_its_runs_wait_until_it_answers(
     run = wait_finished(client, run_id)
     assert run["status"] == "succeeded", run["error"]
     assert run["worker_id"] == registered["id"]
+
+
+def test_one_cause_of_no_answer_reads_the_same_however_the_close_reaches_the_probe(
+    client: TestClient,
+) -> None:
+    # A port that closes unanswered makes httpx raise a protocol error (a clean end of stream)
+    # or a read error (a reset), as the close and the request race: the user reads one cause.
+    ports = {how: free_port() for how in ("after the request", "reset after the request")}
+    silents = [Silent(port, close=how) for how, port in ports.items()]
+    refused = free_port()  # nothing listens there
+    try:
+        ids = {port: _register(client, f"http://127.0.0.1:{port}")["id"]
+               for port in [*ports.values(), refused]}
+        errors = {port: _worker(client, worker_id, "unavailable", error="no answer")["error"]
+                  for port, worker_id in ids.items()}
+    finally:
+        for silent in silents:
+            silent.close()
+    for port in ports.values():
+        closed = f"no answer from http://127.0.0.1:{port}: it closed the connection without answering"
+        assert errors[port] == closed
+    assert errors[refused].startswith(f"no answer from http://127.0.0.1:{refused}: could not connect")
 
 
 def test_a_run_waiting_for_a_registered_server_does_not_hold_up_other_runs(

@@ -140,7 +140,7 @@ class RegisteredServers:
                     length = cards[handle.served_model].get("max_model_len")
                     handle.max_model_len = length if isinstance(length, int) and length > 0 else None
         except httpx.HTTPError as exc:
-            problem = f"no answer from {handle.url}: {type(exc).__name__} {exc}".strip()
+            problem = f"no answer from {handle.url}: {_why_no_answer(exc)}"
         except (ValueError, KeyError, TypeError):
             problem = f"{handle.url}/v1/models did not answer with a model list"
         if handle.id not in self.workers:
@@ -169,6 +169,19 @@ class RegisteredServers:
                                 max_model_len=handle.max_model_len)
         log.info("worker %s at %s answers; ready", handle.id, handle.url)
         return True
+
+
+def _why_no_answer(exc: httpx.HTTPError) -> str:
+    """Why a probe got no answer, in words that stay the same from one probe round to the next
+    for one cause: a port that closes each connection unanswered makes httpx raise a read error
+    or a protocol error by the race between the request's bytes and the close."""
+    if isinstance(exc, httpx.TimeoutException):
+        return f"nothing came back within {PROBE_TIMEOUT_S:g} s"
+    if isinstance(exc, httpx.ConnectError):
+        return f"could not connect ({exc})" if str(exc) else "could not connect"
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+        return "it closed the connection without answering"
+    return f"{type(exc).__name__} {exc}".strip()
 
 
 def _bundled_vocab(model: str) -> int | None:
